@@ -1,0 +1,28 @@
+"""Chained prefix hashes of full KV blocks, stable across processes and runs.
+
+A block's hash covers its parent's hash, its token ids and any extra keys (a LoRA name,
+a cache salt), so equal hashes mean equal prefixes. Python's ``hash()`` is salted per
+process, so a keyed cryptographic digest is used instead.
+"""
+
+import hashlib
+from array import array
+
+ROOT_HASH = b"\x00" * 16
+
+
+def hash_block(parent: bytes, token_ids: list[int], extra_keys: bytes = b"") -> bytes:
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    digest.update(extra_keys)
+    return digest.digest()
+
+
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: list[int], block_size: int, extra_keys: bytes = b""
+) -> None:
+    """Append hashes for every block of ``token_ids`` that is full and not yet hashed."""
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)
+        hashes.append(parent)

@@ -1,0 +1,161 @@
+"""Maps requests to KV-cache blocks: prefix-cache lookups, slot allocation, freeing."""
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+from engine_core.block_hash import extend_block_hashes
+from engine_core.block_pool import BlockPool, KVCacheBlock
+from engine_core.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class KVCacheManager:
+    """Each request's block table (a list of blocks, in token order) over one ``BlockPool``."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks that prefixes the request, and its token
+        count. The last token is never a hit: it must be computed to produce logits."""
+        if not self.enable_caching:
+            return [], 0
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_stats.queried_tokens += request.num_tokens
+        self.prefix_stats.hit_tokens += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_external_tokens: int = 0,
+        delay_caching: bool = False,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones (the local
+        prefix hit ``new_computed_blocks`` and ``num_external_tokens`` loaded by a connector
+        come first). Returns the newly allocated blocks, or None if the pool cannot supply
+        them, in which case nothing changed. ``delay_caching`` keeps blocks still being
+        loaded out of the prefix index until ``cache_blocks`` is called."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            blocks = []
+        num_computed = (
+            request.num_computed_tokens
+            + len(new_computed_blocks) * self.block_size
+            + num_external_tokens
+        )
+        num_filled = num_computed + num_new_tokens
+        num_new_blocks = -(-num_filled // self.block_size) - len(blocks) - len(new_computed_blocks)
+        new_blocks: list[KVCacheBlock] = []
+        if num_new_blocks > 0 or new_computed_blocks:
+            # Hits sitting in the free queue stop being free once taken.
+            free_hits = sum(1 for block in new_computed_blocks if block.ref_count == 0)
+            if num_new_blocks > self.pool.num_free - free_hits:
+                return None
+            if request.request_id not in self.req_to_blocks:
+                self.req_to_blocks[request.request_id] = blocks
+                self._num_cached_blocks[request.request_id] = 0
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            if num_new_blocks > 0:
+                new_blocks = self.pool.get_new_blocks(num_new_blocks)
+                blocks.extend(new_blocks)
+        if num_filled >= self.block_size and not delay_caching:
+            self.cache_blocks(request, num_filled)
+        # Until its table is full the request needs nothing from us. A block that fills up
+        # meanwhile is registered for prefix caching at the next allocation or at free().
+        request.kv_fast_limit = len(blocks) * self.block_size
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_filled: int) -> None:
+        """Register the request's blocks that ``num_filled`` tokens fill for prefix caching."""
+        if not self.enable_caching:
+            return
+        blocks = self.req_to_blocks[request.request_id]
+        num_full = min(num_filled, request.num_tokens) // self.block_size
+        num_cached = self._num_cached_blocks[request.request_id]
+        if num_full <= num_cached:
+            return
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        for index in range(num_cached, num_full):
+            self.pool.cache_block(blocks[index], request.block_hashes[index])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks tail-first, so its prefix stays cached the longest."""
+        if request.request_id in self.req_to_blocks and request.num_computed_tokens >= self.block_size:
+            self.cache_blocks(request, request.num_computed_tokens)
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        request.kv_fast_limit = 0
+        self.pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+        for request_id in self._num_cached_blocks:
+            self._num_cached_blocks[request_id] = 0
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless ref counts equal the block tables holding each block,
+        free blocks have ref count 0, free + used = total, and the hash index is consistent."""
+        holders = Counter(block.block_id for table in self.req_to_blocks.values() for block in table)
+        free_ids = [block.block_id for block in self.pool.free_queue]
+        if len(free_ids) != self.pool.num_free or len(set(free_ids)) != len(free_ids):
+            raise AssertionError("free queue length or membership is inconsistent")
+        free_set = set(free_ids)
+        for block in self.pool.blocks:
+            if block.ref_count != holders[block.block_id]:
+                raise AssertionError(
+                    f"block {block.block_id}: ref count {block.ref_count} but held by "
+                    f"{holders[block.block_id]} block tables"
+                )
+            if (block.ref_count == 0) != (block.block_id in free_set):
+                raise AssertionError(f"block {block.block_id}: free iff ref count is 0 violated")
+        used = sum(1 for block in self.pool.blocks if block.ref_count > 0)
+        if used + self.pool.num_free != self.pool.num_blocks:
+            raise AssertionError("free + used != total")
+        for block_hash, block in self.pool.cached.items():
+            if block.block_hash != block_hash:
+                raise AssertionError(f"hash index points at block {block.block_id} with another hash")

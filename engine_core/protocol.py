@@ -1,0 +1,167 @@
+"""Every message that crosses a socket: msgspec structs with typed decoders, never pickle.
+
+Two conversations:
+- frontend <-> EngineCore: ``EngineCoreRequest``/``AbortRequests`` in, ``EngineCoreOutputs`` out;
+- EngineCore <-> workers: ``SchedulerOutput`` out (one message per step, to every rank),
+  ``ModelRunnerOutput`` back.
+
+Per-step messages are diffs. A request's prompt and sampling parameters cross once, in
+``NewRequestData``; afterwards a running request is named by its ``handle`` (a small integer
+the scheduler reuses, < 65536) and costs two bytes per step while it decodes.
+"""
+
+from array import array
+
+import msgspec
+
+from engine_core.sampling_params import SamplingParams
+
+HANDLE_TYPECODE = "H"  # uint16 handles, packed little-endian into bytes
+TOKEN_TYPECODE = "i"  # int32 token ids
+
+
+def pack_handles(handles: list[int]) -> bytes:
+    return array(HANDLE_TYPECODE, handles).tobytes()
+
+
+def unpack_handles(data: bytes) -> array:
+    handles = array(HANDLE_TYPECODE)
+    handles.frombytes(data)
+    return handles
+
+
+def pack_tokens(tokens: list[int]) -> bytes:
+    return array(TOKEN_TYPECODE, tokens).tobytes()
+
+
+def unpack_tokens(data: bytes) -> array:
+    tokens = array(TOKEN_TYPECODE)
+    tokens.frombytes(data)
+    return tokens
+
+
+# ---- frontend <-> EngineCore -------------------------------------------------------------
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+
+
+class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
+    request_ids: list[str]
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """The sampled token first, then the top-k alternatives, each with its logprob."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class FinishedRequest(msgspec.Struct, array_like=True):
+    request_id: str
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    message: str | None = None
+    stop_token_id: int | None = None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens_computed: int  # tokens prefilled by the model (cache hits excluded)
+    offload_queries: int = 0
+    offload_hits: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True):
+    """One step's results, as columns: ``new_token_ids[i]`` belongs to ``request_ids[i]``.
+    ``logprobs`` maps a request id to its new token's logprobs when it asked for them."""
+
+    request_ids: list[str] = []
+    new_token_ids: list[int] = []
+    logprobs: dict[str, TokenLogprobs] = {}
+    finished: list[FinishedRequest] = []
+    stats: SchedulerStats | None = None
+
+
+# ---- EngineCore <-> workers --------------------------------------------------------------
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """A request entering the workers' batch: new, or resumed after preemption (then
+    ``output_token_ids`` holds what it generated before)."""
+
+    request_id: str
+    handle: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """Requests already in the batch. ``handles`` is packed uint16 in batch order; each is
+    scheduled one token unless ``num_tokens`` says otherwise; ``new_block_ids`` lists the
+    blocks appended to a request's table this step."""
+
+    handles: bytes = b""
+    num_tokens: dict[int, int] = {}
+    new_block_ids: dict[int, list[int]] = {}
+
+
+class BlockTransfer(msgspec.Struct, array_like=True):
+    """Copy of KV blocks between the GPU cache and the CPU tier, named for completion."""
+
+    transfer_id: str
+    gpu_block_ids: list[int]
+    cpu_block_ids: list[int]
+
+
+class KVConnectorMetadata(msgspec.Struct, array_like=True):
+    loads: list[BlockTransfer] = []
+    stores: list[BlockTransfer] = []
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True):
+    """What the workers run this step. Batch order: ``new_requests`` then ``cached``.
+    Workers drop ``finished_handles`` and ``preempted_handles`` before adding new requests
+    (a handle freed this step may be reused by a new request in the same step)."""
+
+    step: int
+    new_requests: list[NewRequestData] = []
+    cached: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    total_num_scheduled_tokens: int = 0
+    finished_handles: list[int] = []
+    preempted_handles: list[int] = []
+    kv_connector_metadata: KVConnectorMetadata | None = None
+
+
+class KVConnectorOutput(msgspec.Struct, array_like=True):
+    finished_sending: list[str] = []
+    finished_recving: list[str] = []
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True):
+    """A step's result from one rank. ``sampled_token_ids`` is packed int32, one per
+    scheduled request in batch order (meaningless for a partial prefill chunk).
+    ``logprobs`` maps a batch row to its logprobs."""
+
+    step: int
+    rank: int = 0
+    sampled_token_ids: bytes = b""
+    logprobs: dict[int, TokenLogprobs] = {}
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+FrontendMessage = EngineCoreRequest | AbortRequests

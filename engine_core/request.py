@@ -1,0 +1,85 @@
+"""A request as the scheduler sees it: tokens so far, how many are computed, and its status."""
+
+import enum
+from dataclasses import dataclass, field
+
+from engine_core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    WAITING_FOR_KV = 1  # an external KV load (connector) is in flight
+    RUNNING = 2
+    PREEMPTED = 3
+    # Finished states: everything from here on.
+    STOPPED = 4
+    LENGTH = 5
+    ABORTED = 6
+    ERROR = 7
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.STOPPED: "stop",
+    RequestStatus.LENGTH: "length",
+    RequestStatus.ABORTED: "abort",
+    RequestStatus.ERROR: "error",
+}
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """Scheduler-side state of one sequence.
+
+    ``all_token_ids`` is prompt + output; ``num_computed_tokens`` counts the tokens whose KV
+    is in the cache (or scheduled into it this step). ``handle`` is the small integer that
+    names the request to the workers while it is in their batch (-1 when it is not).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    all_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until then
+    num_preemptions: int = 0
+    waited_steps: int = 0
+    handle: int = -1
+    # Set by the KV manager: the request may fill up to this many tokens before the manager
+    # has work to do (a new block to hand out, a full block to register).
+    kv_fast_limit: int = 0
+    # Set at admission: token ids that end the request, and the length at which it stops.
+    stop_ids: frozenset[int] = frozenset()
+    max_num_tokens: int = 0
+    queue_key: tuple = ()  # (priority, arrival time, arrival order) under which it queues
+    error: str | None = None
+    stop_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status >= RequestStatus.STOPPED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

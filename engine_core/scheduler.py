@@ -1,0 +1,460 @@
+"""The token-budget scheduler: one rule for prefill, chunked prefill, decode and resumption.
+
+Every request has ``num_tokens`` (prompt + generated) and ``num_computed_tokens``; a step
+hands each chosen request up to the remaining budget so the computed count catches up.
+Running requests go first, in queue order; then waiting ones while budget, sequence slots
+and KV blocks last. When blocks run out, the last running request (lowest priority, or
+latest arrival under FCFS) is preempted by recompute.
+"""
+
+import heapq
+from bisect import insort
+from dataclasses import dataclass
+
+from engine_core.block_pool import KVCacheBlock
+from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.kv_connector import SchedulerConnector
+from engine_core.protocol import (
+    CachedRequestData,
+    EngineCoreOutputs,
+    FinishedRequest,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+    TokenLogprobs,
+    pack_handles,
+    unpack_tokens,
+)
+from engine_core.request import FINISH_REASONS, Request, RequestStatus
+
+MAX_HANDLES = 1 << 16
+RUNNING = RequestStatus.RUNNING
+BOOSTED = float("-inf")
+
+
+@dataclass
+class SchedulerConfig:
+    """Step budgets and policies. ``starvation_steps``: a waiting request at the head of the
+    queue that has been passed over for this many steps while others ran may preempt one."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    block_size: int = 16
+    policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    starvation_steps: int | None = 1000
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_seqs > MAX_HANDLES // 2:
+            raise ValueError(f"max_num_seqs must be <= {MAX_HANDLES // 2}, got {self.max_num_seqs}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.starvation_steps is not None and self.starvation_steps < 1:
+            raise ValueError(f"starvation_steps must be >= 1 or None, got {self.starvation_steps}")
+
+
+class Scheduler:
+    """Decides, each step, which requests run and with how many tokens.
+
+    Drive it with ``add_request``/``abort_requests``, then per step ``schedule()`` ->
+    run the model -> ``update_from_output()``, which returns the step's outputs.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        connector: SchedulerConnector | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.connector = connector or SchedulerConnector()
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self._waiting: list[tuple[tuple, Request]] = []  # heap; aborted entries are skipped
+        self.num_waiting = 0
+        self._arrivals = 0
+        self._step = 0
+        self._scheduled: list[Request] = []
+        # Handles of finished requests stay reserved for a step, so twice max_num_seqs suffice.
+        self._free_handles = list(range(config.max_num_seqs * 2 - 1, -1, -1))
+        self._released_handles: list[int] = []  # finished; the workers hear of it next step
+        self._pending_finished: list[FinishedRequest] = []
+        self._delayed_free: dict[str, Request] = {}
+        self._loaded: set[str] = set()
+        self.num_preemptions = 0
+        self.prompt_tokens_computed = 0
+
+    # ---- requests in -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or finish it with ``error`` at once if it can never run."""
+        error = self._admission_error(request)
+        if error is not None:
+            request.status = RequestStatus.ERROR
+            self._pending_finished.append(FinishedRequest(request.request_id, "error", error))
+            return
+        params = request.sampling_params
+        request.stop_ids = frozenset(params.stop_token_ids or ()) | (
+            frozenset() if params.ignore_eos or request.eos_token_id is None else {request.eos_token_id}
+        )
+        request.max_num_tokens = min(request.num_prompt_tokens + params.max_tokens, self.config.max_model_len)
+        self._arrivals += 1
+        if self.config.policy == "priority":
+            request.queue_key = (request.priority, request.arrival_time, self._arrivals)
+        else:
+            request.queue_key = (0, 0.0, self._arrivals)
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def _admission_error(self, request: Request) -> str | None:
+        prompt_len = request.num_prompt_tokens
+        if request.request_id in self.requests:
+            return f"request id {request.request_id!r} is already in use"
+        if prompt_len == 0:
+            return "the prompt is empty"
+        if prompt_len > self.config.max_model_len:
+            return (
+                f"the prompt has {prompt_len} tokens, more than max_model_len "
+                f"({self.config.max_model_len})"
+            )
+        if self.kv.blocks_needed(prompt_len) > self.kv.num_blocks:
+            return (
+                f"the prompt needs {self.kv.blocks_needed(prompt_len)} KV blocks but the "
+                f"cache has only {self.kv.num_blocks}"
+            )
+        return None
+
+    def abort_requests(self, request_ids: list[str], message: str | None = None) -> None:
+        """Finish the named requests with ``abort`` (``error`` if a message is given).
+        Unknown or already finished ids are ignored."""
+        status = RequestStatus.ERROR if message else RequestStatus.ABORTED
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                if request.status != RequestStatus.RUNNING:
+                    self.num_waiting -= 1
+                self._finish(request, status, message)
+        self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+
+    def has_work(self) -> bool:
+        """Requests to run or outputs to deliver. Released handles alone wait for a real step."""
+        return bool(self.requests or self._pending_finished)
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self._step += 1
+        output = SchedulerOutput(step=self._step, finished_handles=self._released_handles)
+        self._free_handles.extend(self._released_handles)
+        self._released_handles = []
+        self._guard_starvation(output)
+
+        preempted_by_guard = len(output.preempted_handles)
+        budget = self.config.max_num_batched_tokens
+        scheduled_running, used = self._schedule_running(output, budget)
+        scheduled_new: list[Request] = []
+        used_by_new = 0
+        if len(output.preempted_handles) == preempted_by_guard:  # no admissions after a squeeze
+            scheduled_new, used_by_new = self._schedule_waiting(output, budget - used)
+        self._scheduled = scheduled_new + scheduled_running
+        output.total_num_scheduled_tokens = used + used_by_new
+        output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[list[Request], int]:
+        # The hot path: at steady decode this loop runs for every running request every step.
+        # Preemption pops from the back of ``running``, which this iteration has not reached.
+        start_budget = budget
+        scheduled: list[Request] = []
+        handles: list[int] = []
+        schedule_request, add_handle = scheduled.append, handles.append
+        multi_token = output.cached.num_tokens
+        new_block_ids = output.cached.new_block_ids
+        dropped = False
+        for request in self.running:
+            if budget == 0:
+                break
+            computed = request.num_computed_tokens
+            num_new = len(request.all_token_ids) - computed
+            if num_new > budget:
+                num_new = budget
+            if computed + num_new > request.kv_fast_limit:
+                new_blocks = self._allocate_or_preempt(request, num_new, output)
+                if new_blocks is None:  # it failed, or preempted itself (then it was the last)
+                    dropped = True
+                    continue
+                if new_blocks:
+                    new_block_ids[request.handle] = [block.block_id for block in new_blocks]
+            if num_new != 1:
+                multi_token[request.handle] = num_new
+                if computed < request.num_prompt_tokens:
+                    self.prompt_tokens_computed += min(num_new, request.num_prompt_tokens - computed)
+            request.num_computed_tokens = computed + num_new
+            add_handle(request.handle)
+            schedule_request(request)
+            budget -= num_new
+        if dropped:
+            self.running = [r for r in self.running if r.status == RUNNING]
+        output.cached.handles = pack_handles(handles)
+        return scheduled, start_budget - budget
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, output: SchedulerOutput
+    ) -> list[KVCacheBlock] | None:
+        """Blocks for a running request, preempting from the back of ``running`` until they
+        fit. None if the request itself was preempted or can never fit (then it is finished
+        with an error but still in ``running``: the caller filters)."""
+        while True:
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            if self.kv.blocks_needed(request.num_computed_tokens + num_new) > self.kv.num_blocks:
+                self._finish_unfittable(request)
+                return None
+            victim = self.running.pop()
+            self._preempt(victim, output)
+            if victim is request:
+                return None
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> tuple[list[Request], int]:
+        start_budget = budget
+        scheduled: list[Request] = []
+        deferred: list[Request] = []
+        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._pop_waiting()
+            if request is None:
+                break
+            if request.status == RequestStatus.WAITING_FOR_KV:
+                if request.request_id not in self._loaded:
+                    deferred.append(request)
+                    continue
+                self._loaded.discard(request.request_id)
+                self.kv.cache_blocks(request, request.num_computed_tokens)
+            num_new = self._admit(request, budget, output)
+            if num_new is None:
+                self._push_waiting(request)
+                break
+            if num_new == 0:  # an asynchronous load started, or the connector must be asked again
+                deferred.append(request)
+                continue
+            scheduled.append(request)
+            budget -= num_new
+        for request in deferred:
+            self._push_waiting(request)
+        if self._waiting and self.running and not scheduled:
+            head = self._peek_waiting()
+            if head is not None:
+                head.waited_steps += 1
+        return scheduled, start_budget - budget
+
+    def _admit(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
+        """Allocate and start a waiting request. Returns the tokens scheduled for it, 0 if it
+        must keep waiting for the connector, or None if the pool has no room."""
+        computed_blocks, num_external, load_async = [], 0, False
+        if request.status != RequestStatus.WAITING_FOR_KV:
+            computed_blocks, num_local = self.kv.get_computed_blocks(request)
+            num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+            if num_external is None:
+                return 0
+        num_computed = (
+            request.num_computed_tokens + len(computed_blocks) * self.config.block_size + num_external
+        )
+        num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
+        new_blocks = self.kv.allocate_slots(
+            request, num_new, computed_blocks, num_external, delay_caching=load_async
+        )
+        if new_blocks is None:
+            return None
+        block_ids = self.kv.get_block_ids(request.request_id)
+        if num_external:
+            self.connector.update_state_after_alloc(request, block_ids, num_external)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        if load_async:
+            request.status = RequestStatus.WAITING_FOR_KV
+            request.num_computed_tokens = num_computed
+            return 0
+
+        request.status = RequestStatus.RUNNING
+        request.waited_steps = 0
+        request.handle = self._free_handles.pop()
+        insort(self.running, request, key=_queue_key)
+        if num_computed < request.num_prompt_tokens:
+            self.prompt_tokens_computed += min(num_new, request.num_prompt_tokens - num_computed)
+        output.new_requests.append(
+            NewRequestData(
+                request_id=request.request_id,
+                handle=request.handle,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=block_ids,
+                num_computed_tokens=num_computed,
+                num_scheduled_tokens=num_new,
+            )
+        )
+        request.num_computed_tokens = num_computed + num_new
+        return num_new
+
+    def _finish_unfittable(self, request: Request) -> None:
+        needed = self.kv.blocks_needed(request.num_tokens)
+        self._finish(
+            request,
+            RequestStatus.ERROR,
+            f"the request needs {needed} KV blocks for {request.num_tokens} tokens but the "
+            f"cache has only {self.kv.num_blocks}; it cannot run even alone",
+        )
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        """Free a running request's blocks and send it back to wait (recompute later)."""
+        self.connector.request_preempted(request, self.kv.get_block_ids(request.request_id))
+        self.kv.free(request)
+        output.preempted_handles.append(request.handle)
+        self._free_handles.append(request.handle)
+        request.handle = -1
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(request)
+
+    def _guard_starvation(self, output: SchedulerOutput) -> None:
+        """Let a long-starved waiting head jump the queue and take a running request's place."""
+        limit = self.config.starvation_steps
+        head = self._peek_waiting()
+        if limit is None or head is None or not self.running or head.waited_steps <= limit:
+            return
+        if head.queue_key[0] != BOOSTED:
+            self._pop_waiting()
+            head.queue_key = (BOOSTED, float(self._step), head.queue_key[2])
+            self._push_waiting(head)
+        head.waited_steps = 0
+        self._preempt(self.running.pop(), output)
+
+    # ---- the waiting queue ---------------------------------------------------------------
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(self._waiting, (request.queue_key, request))
+        self.num_waiting += 1
+
+    def _pop_waiting(self) -> Request | None:
+        while self._waiting:
+            request = heapq.heappop(self._waiting)[1]
+            if not request.finished:
+                self.num_waiting -= 1
+                return request
+        return None
+
+    def _peek_waiting(self) -> Request | None:
+        while self._waiting and self._waiting[0][1].finished:
+            heapq.heappop(self._waiting)
+        return self._waiting[0][1] if self._waiting else None
+
+    # ---- results in ----------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Append the sampled tokens, apply stop rules, free finished requests, and return
+        what the frontend must hear about this step."""
+        if runner_output.step != scheduler_output.step or scheduler_output.step != self._step:
+            raise ValueError(
+                f"output of step {runner_output.step} does not answer step {self._step}"
+            )
+        tokens = unpack_tokens(runner_output.sampled_token_ids)
+        scheduled = self._scheduled
+        self._scheduled = []
+        if len(tokens) != len(scheduled):
+            raise ValueError(f"{len(tokens)} sampled tokens for {len(scheduled)} scheduled requests")
+        request_ids: list[str] = []
+        new_token_ids: list[int] = []
+        logprobs: dict[str, TokenLogprobs] = {}
+        any_finished = False
+        for request, token in zip(scheduled, tokens):
+            if request.num_computed_tokens < len(request.all_token_ids) or request.status != RUNNING:
+                continue  # a prefill chunk that does not end the prompt, or aborted meanwhile
+            request.output_token_ids.append(token)
+            request.all_token_ids.append(token)
+            request_ids.append(request.request_id)
+            new_token_ids.append(token)
+            if token in request.stop_ids and len(request.output_token_ids) >= request.sampling_params.min_tokens:
+                request.stop_token_id = token
+                self._finish(request, RequestStatus.STOPPED)
+                any_finished = True
+            elif len(request.all_token_ids) >= request.max_num_tokens:
+                self._finish(request, RequestStatus.LENGTH)
+                any_finished = True
+        for row, row_logprobs in runner_output.logprobs.items():
+            logprobs[scheduled[row].request_id] = row_logprobs
+        if any_finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        if runner_output.kv_connector_output is not None:
+            self._update_transfers(runner_output)
+        finished = self._pending_finished
+        self._pending_finished = []
+        return EngineCoreOutputs(request_ids, new_token_ids, logprobs, finished, self.stats())
+
+    def _update_transfers(self, runner_output: ModelRunnerOutput) -> None:
+        connector_output = runner_output.kv_connector_output
+        assert connector_output is not None
+        self.connector.update_connector_output(connector_output)
+        for request_id in connector_output.finished_recving:
+            if request_id in self.requests:
+                self._loaded.add(request_id)
+        for request_id in connector_output.finished_sending + connector_output.finished_recving:
+            if request_id in self._delayed_free:
+                self.kv.free(self._delayed_free.pop(request_id))
+
+    def _finish(self, request: Request, status: RequestStatus, message: str | None = None) -> None:
+        """Mark a request finished and release it; the caller removes it from ``running``."""
+        request.status = status
+        request.error = message
+        del self.requests[request.request_id]
+        self._loaded.discard(request.request_id)
+        if request.handle >= 0:
+            self._released_handles.append(request.handle)
+            request.handle = -1
+        if self.connector.request_finished(request, self.kv.get_block_ids(request.request_id)):
+            self._delayed_free[request.request_id] = request
+        else:
+            self.kv.free(request)
+        self._pending_finished.append(
+            FinishedRequest(request.request_id, FINISH_REASONS[status], message, request.stop_token_id)
+        )
+
+    def stats(self) -> SchedulerStats:
+        prefix = self.kv.prefix_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=self.num_waiting,
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=prefix.queried_tokens,
+            prefix_cache_hits=prefix.hit_tokens,
+            num_preemptions=self.num_preemptions,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the KV pool or the queues are inconsistent (for tests)."""
+        self.kv.check_invariants()
+        running_ids = {r.request_id for r in self.running}
+        holders = set(self.kv.req_to_blocks)
+        waiting_with_blocks = {
+            r.request_id for _, r in self._waiting if r.status == RequestStatus.WAITING_FOR_KV and not r.finished
+        }
+        if not holders <= running_ids | waiting_with_blocks | set(self._delayed_free):
+            raise AssertionError(f"blocks held by requests that are not running: {holders - running_ids}")
+        if len(self.running) > self.config.max_num_seqs:
+            raise AssertionError("more running requests than max_num_seqs")
+        if self.num_waiting != sum(1 for _, r in self._waiting if not r.finished):
+            raise AssertionError("num_waiting does not match the waiting queue")
+
+
+def _queue_key(request: Request) -> tuple:
+    return request.queue_key

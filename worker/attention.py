@@ -1,0 +1,94 @@
+"""The attention backend interface: paged KV cache + block tables + slot mapping.
+
+The model calls ``backend.forward`` once per layer; the backend writes the new K/V into
+that layer's cache and attends. Backends differ only in which kernels they run.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import reference
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of a ragged batch reads and writes the paged cache (see kernels.reference)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not store
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including the new tokens
+    # Host-side maxima, when the caller has them: they spare the Triton backend a device sync.
+    max_query_len: int | None = None
+    max_seq_len: int | None = None
+
+
+class TorchAttentionBackend:
+    """The torch reference kernels: the CPU path."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]``; returns ``[T, H, D]``."""
+        reference.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        return reference.paged_attention(
+            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+        )
+
+
+class TritonAttentionBackend:
+    """The Triton kernels: the CUDA path (and, under ``TRITON_INTERPRET=1``, a CPU test path)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Imported here so that the torch path never needs Triton to compile anything.
+        from kernels import triton_attention, triton_kv_cache
+
+        self._attention = triton_attention
+        self._kv_cache = triton_kv_cache
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]``; returns ``[T, H, D]``."""
+        self._kv_cache.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        return self._attention.paged_attention(
+            query,
+            kv_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+        )
+
+
+_BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
+
+
+def get_attention_backend(
+    name: str | None, device: torch.device
+) -> TorchAttentionBackend | TritonAttentionBackend:
+    """The backend called ``name``; ``None`` picks Triton on CUDA and torch elsewhere."""
+    if name is None:
+        name = "triton" if device.type == "cuda" else "torch"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()
