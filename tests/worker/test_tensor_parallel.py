@@ -1,0 +1,89 @@
+"""Two gloo ranks compute the same full-vocabulary logits as one rank."""
+
+import socket
+import time
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from worker_helpers import (
+    PagedRunner,
+    greedy_decode,
+    load_ours,
+    random_prompts,
+    save_tiny_model,
+    tiny_llama_config,
+)
+
+from worker.parallel_state import init_tensor_parallel
+
+TP_SIZE = 2
+PROMPT_LENGTHS = [7, 20]
+DECODE_TOKENS = 3
+JOIN_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_rank(rank: int, port: int, model_dir: Path, out_dir: Path) -> None:
+    """One spawned rank: prefill and decode, save the logits of every step for the parent."""
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    tp = init_tensor_parallel(rank, TP_SIZE, f"tcp://127.0.0.1:{port}")
+    try:
+        model = load_ours(model_dir, tp)
+        prompts = random_prompts(PROMPT_LENGTHS, model.vocab_size)
+        _, logits = greedy_decode(PagedRunner(model), prompts, DECODE_TOKENS)
+        torch.save(logits, out_dir / f"rank{rank}.pt")
+    finally:
+        tp.destroy()
+
+
+def _run_ranks(model_dir: Path, out_dir: Path) -> list[torch.Tensor]:
+    context = mp.get_context("spawn")
+    port = _free_port()
+    ranks = [
+        context.Process(target=_run_rank, args=(rank, port, model_dir, out_dir)) for rank in range(TP_SIZE)
+    ]
+    try:
+        for process in ranks:
+            process.start()
+        # Stop waiting as soon as one rank fails: its peer would block in a collective until timeout.
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        running = list(ranks)
+        while running and not any(process.exitcode for process in ranks):
+            timeout = max(0.0, deadline - time.monotonic())
+            if not wait([process.sentinel for process in running], timeout=timeout):
+                break
+            running = [process for process in running if process.exitcode is None]
+        exit_codes = [process.exitcode for process in ranks]
+        assert exit_codes == [0] * TP_SIZE, f"rank exit codes (None = still running): {exit_codes}"
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(TP_SIZE)]
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads",
+    [pytest.param(1, id="kv-heads-replicated"), pytest.param(4, id="kv-heads-sharded")],
+)
+def test_two_ranks_give_the_logits_of_one_rank(num_kv_heads: int, tmp_path: Path) -> None:
+    # Biases on every projection check that a row-parallel bias is added once, after the
+    # all-reduce; an odd vocabulary pads the last rank's shard; the tied head shares it.
+    config = tiny_llama_config(
+        num_key_value_heads=num_kv_heads, attention_bias=True, mlp_bias=True, tie_word_embeddings=True
+    )
+    save_tiny_model(config, tmp_path)
+    _, expected = greedy_decode(
+        PagedRunner(load_ours(tmp_path)), random_prompts(PROMPT_LENGTHS, config.vocab_size), DECODE_TOKENS
+    )
+    for rank_logits in _run_ranks(tmp_path, tmp_path):
+        torch.testing.assert_close(rank_logits, expected, atol=1e-4, rtol=1e-4)

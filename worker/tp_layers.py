@@ -1,0 +1,136 @@
+"""Tensor-parallel layers. Each rank holds one shard of every weight and reads only that shard.
+
+Loading goes through ``load_weight(name, source)``: ``source`` is the *full* checkpoint tensor,
+either a torch tensor or a lazy safetensors slice, and the layer indexes out its own rows or
+columns, so with safetensors a rank never reads the other ranks' shards from disk.
+With one rank every layer is a plain linear or embedding.
+"""
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.parallel_state import TensorParallel
+
+
+class TensorSource(Protocol):
+    """A checkpoint tensor read piecewise: a ``torch.Tensor`` or a safetensors ``get_slice`` handle."""
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor: ...
+
+
+def load_full(param: nn.Parameter, source: TensorSource) -> None:
+    """Copy a whole checkpoint tensor into a parameter that every rank holds entirely."""
+    _copy(param.data, source[:])
+
+
+def _copy(destination: torch.Tensor, shard: torch.Tensor) -> None:
+    if destination.shape != shard.shape:
+        raise ValueError(
+            f"checkpoint shard of shape {tuple(shard.shape)} does not fit a parameter of shape "
+            f"{tuple(destination.shape)}"
+        )
+    destination.copy_(shard)
+
+
+def _parameter(*shape: int) -> nn.Parameter:
+    # Weights are overwritten by the loader, so skip initialisation; inference needs no grad.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with the output features of W split across ranks; ``y`` stays split.
+
+    ``shards`` gives, for each checkpoint matrix the layer merges (one, or q/k/v, or gate/up),
+    the rows of it that this rank holds. The local weight stacks those row ranges in order, so
+    one matmul computes all of them; ``load_weight(..., part=i)`` fills matrix ``i``'s rows.
+    """
+
+    def __init__(self, input_size: int, shards: Sequence[slice], bias: bool = False) -> None:
+        super().__init__()
+        self.shards = list(shards)
+        self.output_sizes = [shard.stop - shard.start for shard in self.shards]
+        self.weight = _parameter(sum(self.output_sizes), input_size)
+        self.bias = _parameter(sum(self.output_sizes)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_weight(self, name: str, source: TensorSource, part: int = 0) -> None:
+        """Copy this rank's rows of checkpoint matrix ``part`` (``name`` is ``weight`` or ``bias``)."""
+        offset = sum(self.output_sizes[:part])
+        destination = getattr(self, name).data[offset : offset + self.output_sizes[part]]
+        _copy(destination, source[self.shards[part]])
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with the input features of W split across ranks.
+
+    Each rank multiplies its slice of ``x`` (the split output of a column-parallel layer) and the
+    partial sums are all-reduced; the bias is added once, after the reduce.
+    """
+
+    def __init__(self, input_size: int, output_size: int, tp: TensorParallel, bias: bool = False) -> None:
+        super().__init__()
+        self.tp = tp
+        self.columns = tp.shard(input_size)
+        self.weight = _parameter(output_size, input_size // tp.size)
+        self.bias = _parameter(output_size) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def load_weight(self, name: str, source: TensorSource) -> None:
+        """Copy this rank's columns of the weight, or the whole bias."""
+        if name == "weight":
+            _copy(self.weight.data, source[:, self.columns])
+        else:
+            load_full(self.bias, source)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary: rank ``r`` holds ids ``[r * n, (r + 1) * n)``.
+
+    ``n`` is ``ceil(vocab_size / size)``; the last rank's shard is padded with zero rows so every
+    rank's shard has the same shape (the LM head all-gathers them). A rank embeds only the ids
+    in its range, zeros for the rest, and the all-reduce fills in every token.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        rows_per_rank = -(-vocab_size // tp.size)
+        self.vocab_start = min(tp.rank * rows_per_rank, vocab_size)
+        self.vocab_end = min(self.vocab_start + rows_per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(rows_per_rank, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.vocab_start
+        elsewhere = (local_ids < 0) | (local_ids >= self.vocab_end - self.vocab_start)
+        embedded = F.embedding(local_ids.masked_fill(elsewhere, 0), self.weight)
+        embedded.masked_fill_(elsewhere.unsqueeze(-1), 0)
+        return self.tp.all_reduce(embedded)
+
+    def load_weight(self, name: str, source: TensorSource) -> None:
+        """Copy this rank's vocabulary rows; the padding rows stay zero."""
+        rows = self.vocab_end - self.vocab_start
+        _copy(self.weight.data[:rows], source[self.vocab_start : self.vocab_end])
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection, sharded like the embedding so a tied model shares one weight.
+
+    Each rank computes the logits of its vocabulary range; the all-gather assembles the full
+    vocabulary on every rank and the padding columns are dropped.
+    """
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]
