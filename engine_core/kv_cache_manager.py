@@ -28,6 +28,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        self.held: dict[str, list[KVCacheBlock]] = {}  # blocks a connector copy still uses
         self.prefix_stats = PrefixCacheStats()
 
     @property
@@ -122,12 +123,20 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release a request's blocks tail-first, so its prefix stays cached the longest."""
+        self.hold(request, request.request_id)
+        self.release(request.request_id)
+
+    def hold(self, request: Request, key: str) -> None:
+        """Detach a request's blocks without freeing them: they stay allocated under ``key``
+        until ``release(key)``, and the request may allocate afresh meanwhile."""
         if request.request_id in self.req_to_blocks and request.num_computed_tokens >= self.block_size:
             self.cache_blocks(request, request.num_computed_tokens)
-        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.held[key] = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         request.kv_fast_limit = 0
-        self.pool.free_blocks(reversed(blocks))
+
+    def release(self, key: str) -> None:
+        self.pool.free_blocks(reversed(self.held.pop(key, [])))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
@@ -140,7 +149,8 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise AssertionError unless ref counts equal the block tables holding each block,
         free blocks have ref count 0, free + used = total, and the hash index is consistent."""
-        holders = Counter(block.block_id for table in self.req_to_blocks.values() for block in table)
+        tables = [*self.req_to_blocks.values(), *self.held.values()]
+        holders = Counter(block.block_id for table in tables for block in table)
         free_ids = [block.block_id for block in self.pool.free_queue]
         if len(free_ids) != self.pool.num_free or len(set(free_ids)) != len(free_ids):
             raise AssertionError("free queue length or membership is inconsistent")

@@ -23,22 +23,26 @@ class SchedulerConnector:
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        """The request's block table after allocation; the last ``num_external_tokens``
-        computed tokens are the connector's to load into it."""
-
-    def request_preempted(self, request: Request, block_ids: list[int]) -> None:
-        """The request is about to lose its blocks to preemption."""
+        """Called when a waiting request gets its blocks (every admission). The last
+        ``num_external_tokens`` of its computed tokens are the connector's to load."""
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata | None:
         return None
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Transfers every worker rank has finished."""
+    def update_connector_output(self, output: KVConnectorOutput) -> tuple[list[str], list[str]]:
+        """Digest transfers every worker rank has finished. Returns the ids of requests whose
+        load is complete and the hold keys (see ``request_finished``) that may be released."""
+        return output.finished_recving, output.finished_sending
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
-        """True if the blocks must outlive the request until the connector reports the
-        request in ``finished_sending`` (a store still reads them)."""
-        return False
+    def request_finished(self, request: Request, block_ids: list[int]) -> str | None:
+        """The request is finished (or aborted). A returned hold key keeps its blocks
+        allocated until ``update_connector_output`` releases that key: a copy still uses them."""
+        return None
+
+    def request_preempted(self, request: Request, block_ids: list[int]) -> str | None:
+        """The request is about to lose its blocks to preemption; same contract as
+        ``request_finished`` (a connector may flush the blocks to keep their KV)."""
+        return None
 
     def take_events(self) -> list[object]:
         return []

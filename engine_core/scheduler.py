@@ -8,6 +8,7 @@ latest arrival under FCFS) is preempted by recompute.
 """
 
 import heapq
+from collections.abc import Callable
 from bisect import insort
 from dataclasses import dataclass
 
@@ -85,7 +86,6 @@ class Scheduler:
         self._free_handles = list(range(config.max_num_seqs * 2 - 1, -1, -1))
         self._released_handles: list[int] = []  # finished; the workers hear of it next step
         self._pending_finished: list[FinishedRequest] = []
-        self._delayed_free: dict[str, Request] = {}
         self._loaded: set[str] = set()
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0
@@ -272,8 +272,7 @@ class Scheduler:
         if new_blocks is None:
             return None
         block_ids = self.kv.get_block_ids(request.request_id)
-        if num_external:
-            self.connector.update_state_after_alloc(request, block_ids, num_external)
+        self.connector.update_state_after_alloc(request, block_ids, num_external)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_computed
         if load_async:
@@ -313,8 +312,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         """Free a running request's blocks and send it back to wait (recompute later)."""
-        self.connector.request_preempted(request, self.kv.get_block_ids(request.request_id))
-        self.kv.free(request)
+        self._release_blocks(request, self.connector.request_preempted)
         output.preempted_handles.append(request.handle)
         self._free_handles.append(request.handle)
         request.handle = -1
@@ -330,6 +328,8 @@ class Scheduler:
         head = self._peek_waiting()
         if limit is None or head is None or not self.running or head.waited_steps <= limit:
             return
+        if self.running[-1].queue_key[0] == BOOSTED:
+            return  # boosted requests are never squeezed out again: no ping-pong livelock
         if head.queue_key[0] != BOOSTED:
             self._pop_waiting()
             head.queue_key = (BOOSTED, float(self._step), head.queue_key[2])
@@ -403,13 +403,10 @@ class Scheduler:
     def _update_transfers(self, runner_output: ModelRunnerOutput) -> None:
         connector_output = runner_output.kv_connector_output
         assert connector_output is not None
-        self.connector.update_connector_output(connector_output)
-        for request_id in connector_output.finished_recving:
-            if request_id in self.requests:
-                self._loaded.add(request_id)
-        for request_id in connector_output.finished_sending + connector_output.finished_recving:
-            if request_id in self._delayed_free:
-                self.kv.free(self._delayed_free.pop(request_id))
+        loaded, released = self.connector.update_connector_output(connector_output)
+        self._loaded.update(request_id for request_id in loaded if request_id in self.requests)
+        for key in released:
+            self.kv.release(key)
 
     def _finish(self, request: Request, status: RequestStatus, message: str | None = None) -> None:
         """Mark a request finished and release it; the caller removes it from ``running``."""
@@ -420,13 +417,18 @@ class Scheduler:
         if request.handle >= 0:
             self._released_handles.append(request.handle)
             request.handle = -1
-        if self.connector.request_finished(request, self.kv.get_block_ids(request.request_id)):
-            self._delayed_free[request.request_id] = request
-        else:
-            self.kv.free(request)
+        self._release_blocks(request, self.connector.request_finished)
         self._pending_finished.append(
             FinishedRequest(request.request_id, FINISH_REASONS[status], message, request.stop_token_id)
         )
+
+    def _release_blocks(self, request: Request, ask_connector: Callable[[Request, list[int]], str | None]) -> None:
+        """Free a request's blocks, or hold them if the connector says a copy still uses them."""
+        hold_key = ask_connector(request, self.kv.get_block_ids(request.request_id))
+        if hold_key is None:
+            self.kv.free(request)
+        else:
+            self.kv.hold(request, hold_key)
 
     def stats(self) -> SchedulerStats:
         prefix = self.kv.prefix_stats
@@ -448,7 +450,7 @@ class Scheduler:
         waiting_with_blocks = {
             r.request_id for _, r in self._waiting if r.status == RequestStatus.WAITING_FOR_KV and not r.finished
         }
-        if not holders <= running_ids | waiting_with_blocks | set(self._delayed_free):
+        if not holders <= running_ids | waiting_with_blocks:
             raise AssertionError(f"blocks held by requests that are not running: {holders - running_ids}")
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError("more running requests than max_num_seqs")

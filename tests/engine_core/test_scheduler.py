@@ -242,7 +242,7 @@ def test_async_load_waits_for_kv_then_runs_with_computed_tokens_advanced(make_re
 
 class DelayedFreeConnector(SchedulerConnector):
     def request_finished(self, request, block_ids):
-        return True
+        return f"store-{request.request_id}"
 
 
 def test_connector_can_hold_blocks_until_its_store_finishes(make_request):
@@ -251,9 +251,10 @@ def test_connector_can_hold_blocks_until_its_store_finishes(make_request):
     request = make_request(40, max_tokens=1)
     scheduler.add_request(request)
     step(scheduler, runner, {}, {})
-    assert request.finished and scheduler.kv.get_block_ids(request.request_id) != []
+    assert request.finished and scheduler.kv.num_free_blocks < scheduler.kv.num_blocks
+    scheduler.check_invariants()
     out = scheduler.schedule()
-    stored = ModelRunnerOutput(out.step, kv_connector_output=KVConnectorOutput(finished_sending=[request.request_id]))
+    stored = ModelRunnerOutput(out.step, kv_connector_output=KVConnectorOutput(finished_sending=[f"store-{request.request_id}"]))
     scheduler.update_from_output(out, stored)
-    assert scheduler.kv.req_to_blocks == {}
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
     scheduler.check_invariants()
