@@ -105,6 +105,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
+    eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int

@@ -97,7 +97,7 @@ class Scheduler:
         error = self._admission_error(request)
         if error is not None:
             request.status = RequestStatus.ERROR
-            self._pending_finished.append(FinishedRequest(request.request_id, "error", error))
+            self.reject(request.request_id, error)
             return
         params = request.sampling_params
         request.stop_ids = frozenset(params.stop_token_ids or ()) | (
@@ -111,6 +111,10 @@ class Scheduler:
             request.queue_key = (0, 0.0, self._arrivals)
         self.requests[request.request_id] = request
         self._push_waiting(request)
+
+    def reject(self, request_id: str, message: str) -> None:
+        """Report a request that never entered the queues as finished with ``error``."""
+        self._pending_finished.append(FinishedRequest(request_id, "error", message))
 
     def _admission_error(self, request: Request) -> str | None:
         prompt_len = request.num_prompt_tokens
@@ -293,6 +297,7 @@ class Scheduler:
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params,
+                eos_token_id=request.eos_token_id,
                 block_ids=block_ids,
                 num_computed_tokens=num_computed,
                 num_scheduled_tokens=num_new,

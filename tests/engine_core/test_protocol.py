@@ -30,7 +30,7 @@ MESSAGES = [
     ),
     SchedulerOutput(
         step=3,
-        new_requests=[NewRequestData("r1", 0, [1, 2], [], SamplingParams(), [4, 5], 0, 2)],
+        new_requests=[NewRequestData("r1", 0, [1, 2], [], SamplingParams(), 2, [4, 5], 0, 2)],
         cached=CachedRequestData(pack_handles([1, 2]), {2: 16}, {1: [9]}),
         total_num_scheduled_tokens=19,
         finished_handles=[7],

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from worker_helpers import PagedRunner, greedy_decode, hf_greedy, load_ours
+from model_factory import hf_greedy
+from worker_helpers import PagedRunner, greedy_decode, load_ours
 
 from worker.model_loader import resolve_model_path
 

@@ -3,18 +3,11 @@
 import pytest
 import torch
 from transformers import PreTrainedModel
-from worker_helpers import (
-    PagedRunner,
-    greedy_decode,
-    hf_greedy,
-    load_ours,
-    random_prompts,
-    save_tiny_model,
-    tiny_llama_config,
-    tiny_qwen2_config,
-)
 
 from worker.llama import LlamaForCausalLM
+
+from model_factory import hf_greedy, random_prompts, save_tiny_model, tiny_llama_config, tiny_qwen2_config
+from worker_helpers import PagedRunner, greedy_decode, load_ours
 
 # Ragged, and crossing 16-token block boundaries.
 PROMPT_LENGTHS = [5, 17, 33]

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config
-from worker_helpers import SINGLE_RANK, load_ours, save_tiny_model, tiny_llama_config
+from model_factory import save_tiny_model, tiny_llama_config
+from worker_helpers import SINGLE_RANK, load_ours
 
 from worker import model_loader
 from worker.attention import TorchAttentionBackend

@@ -8,16 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from worker_helpers import (
-    PagedRunner,
-    greedy_decode,
-    load_ours,
-    random_prompts,
-    save_tiny_model,
-    tiny_llama_config,
-)
 
 from worker.parallel_state import init_tensor_parallel
+
+from model_factory import random_prompts, save_tiny_model, tiny_llama_config
+from worker_helpers import PagedRunner, greedy_decode, load_ours
 
 TP_SIZE = 2
 PROMPT_LENGTHS = [7, 20]

@@ -1,0 +1,115 @@
+"""The engine flags shared by ``generate``, ``serve`` and ``bench``, and what they resolve to."""
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine_core.scheduler import SchedulerConfig
+from worker.config import WorkerConfig
+
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user can set about the engine. ``model=None`` is the default model."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    executor: str = "mp"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_gpu_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    attention_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.executor not in ("uni", "mp", "ray"):
+            raise ValueError(f"executor must be 'uni', 'mp' or 'ray', got {self.executor!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.executor == "uni" and self.tensor_parallel_size != 1:
+            raise ValueError("the uni executor runs one rank: use --executor mp for tensor parallelism")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        add = parser.add_argument
+        add("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+        add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+        add("--device", default="auto", help="cpu, cuda or auto")
+        add("--tensor-parallel-size", "-tp", type=int, default=1)
+        add("--executor", default="mp", choices=["uni", "mp", "ray"], help="uni: one process (debugging)")
+        add("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+        add("--max-num-seqs", type=int, default=256, help="most requests in one step")
+        add("--max-model-len", type=int, default=None, help="default: the model's, capped at 8192")
+        add("--block-size", type=int, default=16)
+        add("--kv-cache-memory", type=int, default=None, help="KV-cache bytes per rank")
+        add("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (overrides --kv-cache-memory)")
+        add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        add("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+        add("--attention-backend", default=None, choices=["torch", "triton"])
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> "EngineArgs":
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{name: value for name, value in vars(args).items() if name in names})
+
+
+@dataclass
+class ResolvedConfig:
+    model_path: Path
+    scheduler: SchedulerConfig
+    worker: WorkerConfig
+
+
+def resolve(args: EngineArgs) -> ResolvedConfig:
+    """Locate the model (converting the default GGUF once) and derive every config from it."""
+    from worker.model_loader import resolve_model_path  # torch-heavy: only when actually building
+
+    path = resolve_model_path(args.model)
+    model_config = json.loads((path / "config.json").read_text())
+    model_max = int(model_config.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP))
+    if args.max_model_len is None:
+        max_model_len = min(model_max, DEFAULT_MAX_MODEL_LEN_CAP)
+    elif args.max_model_len > model_max:
+        raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's {model_max}")
+    else:
+        max_model_len = args.max_model_len
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len,
+        block_size=args.block_size,
+        policy=args.scheduling_policy,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    worker = WorkerConfig(
+        model=str(path),
+        dtype=args.dtype,
+        device=_device(args.device),
+        block_size=args.block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_gpu_blocks=args.num_gpu_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+    return ResolvedConfig(path, scheduler, worker)
+
+
+def _device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

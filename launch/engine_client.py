@@ -1,0 +1,37 @@
+"""Starting an engine for a frontend: the in-process client here, the EngineCore process
+client for ``--executor mp|ray``."""
+
+from engine_core.engine_core import EngineCore
+from engine_core.protocol import EngineCoreOutputs, EngineCoreRequest
+from launch.engine_args import EngineArgs, ResolvedConfig
+
+
+class InprocClient:
+    """The EngineCore in the caller's process: ``get_output`` runs one step."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+
+    @property
+    def num_blocks(self) -> int:
+        return self.core.scheduler.kv.num_blocks
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        if not self.core.has_work():
+            raise RuntimeError("get_output called with nothing in the engine")
+        return self.core.step()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+def start_engine(args: EngineArgs, resolved: ResolvedConfig) -> InprocClient:
+    from launch.uni_executor import UniExecutor
+
+    return InprocClient(EngineCore(resolved.scheduler, UniExecutor(resolved.worker)))

@@ -1,0 +1,100 @@
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from engine_core.protocol import SchedulerStats
+from engine_core.sampling_params import SamplingParams
+from launch.engine_args import EngineArgs, resolve
+from launch.engine_client import start_engine
+from launch.output_processor import OutputProcessor
+from launch.outputs import RequestOutput
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """An engine for offline batches. ``model=None`` loads the default model (SmolLM2-135M-
+    Instruct); other keyword arguments are ``EngineArgs`` fields (``executor``, ``dtype``,
+    ``max_num_seqs``, ...)."""
+
+    def __init__(self, model: str | None = None, **engine_args: object) -> None:
+        self.args = EngineArgs(model=model, **engine_args)
+        self.config = resolve(self.args)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
+        self.engine = start_engine(self.args, self.config)
+        self.processor = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_id)
+        self._ids = itertools.count()
+        self.stats: SchedulerStats | None = None  # as of the last step
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt (text, or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        request_ids = []
+        for prompt, params in zip(prompts, sampling_params):
+            if isinstance(prompt, str):
+                text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+            elif all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
+                text, token_ids = None, list(prompt)
+            else:
+                raise TypeError("a prompt is a string or a list of integer token ids")
+            request_id = str(next(self._ids))
+            for request in self.processor.add_request(request_id, text, token_ids, params):
+                self.engine.add_request(request)
+            request_ids.append(request_id)
+        self._run(request_ids, use_tqdm)
+        return [self.processor.pop_finished(request_id) for request_id in request_ids]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            for conversation in conversations
+        ]
+        token_ids = [self.tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts]
+        return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> None:
+        pending = set(request_ids)
+        with tqdm(total=len(request_ids), disable=not use_tqdm, desc="Generating") as progress:
+            while pending:
+                outputs = self.engine.get_output()
+                self.stats = outputs.stats or self.stats
+                deltas, to_abort = self.processor.process(outputs)
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                done = {d.request_id for d in deltas if d.finish_reason} & pending
+                done = {request_id for request_id in done if self.processor.outputs[request_id].finished}
+                pending -= done
+                progress.update(len(done))
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,139 @@
+"""Turns the EngineCore's per-step token columns into text, per completion.
+
+Fans a prompt with ``n`` completions out into ``n`` engine requests, detokenizes each one's
+tokens incrementally, applies stop strings (asking the engine to abort a request whose text
+hit one) and keeps the cumulative ``RequestOutput`` of every prompt.
+"""
+
+import time
+from dataclasses import dataclass
+
+import msgspec
+from transformers import PreTrainedTokenizerBase
+
+from engine_core.protocol import EngineCoreOutputs, EngineCoreRequest
+from engine_core.sampling_params import SamplingParams
+from launch.detokenizer import IncrementalDetokenizer
+from launch.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+
+@dataclass
+class CompletionDelta:
+    """What one completion gained in one step (for streaming)."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Completion:
+    output: RequestOutput
+    completion: CompletionOutput
+    detokenizer: IncrementalDetokenizer
+    want_logprobs: bool
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_id: int | None) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self._completions: dict[str, _Completion] = {}
+        self.outputs: dict[str, RequestOutput] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> list[EngineCoreRequest]:
+        """Register a prompt and return the engine requests for its ``n`` completions."""
+        if request_id in self.outputs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        now = time.time()
+        output = RequestOutput(
+            request_id, prompt, prompt_token_ids, [CompletionOutput(i) for i in range(params.n)], RequestMetrics(now)
+        )
+        self.outputs[request_id] = output
+        requests = []
+        for index, completion in enumerate(output.outputs):
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                child_params = msgspec.structs.replace(params, n=1, seed=seed)
+            completion.logprobs = [] if params.logprobs is not None else None
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.stop or [], params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )
+            self._completions[child_id] = _Completion(output, completion, detokenizer, params.logprobs is not None)
+            requests.append(EngineCoreRequest(child_id, prompt_token_ids, child_params, self.eos_token_id, now, priority))
+        return requests
+
+    def child_ids(self, request_id: str) -> list[str]:
+        """The engine request ids of a prompt's unfinished completions."""
+        return [child for child, state in self._completions.items() if state.output.request_id == request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._completions)
+
+    def pop_finished(self, request_id: str) -> RequestOutput:
+        return self.outputs.pop(request_id)
+
+    def process(self, outputs: EngineCoreOutputs) -> tuple[list[CompletionDelta], list[str]]:
+        """Apply one step. Returns the deltas and the engine requests to abort (stop strings)."""
+        now = time.time()
+        deltas: dict[str, CompletionDelta] = {}
+        to_abort: list[str] = []
+        for request_id, token in zip(outputs.request_ids, outputs.new_token_ids):
+            state = self._completions.get(request_id)
+            if state is None:
+                continue  # stopped by a stop string; the engine has not heard of it yet
+            completion = state.completion
+            completion.token_ids.append(token)
+            metrics = state.output.metrics
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            metrics.num_generated_tokens += 1
+            logprobs = None
+            if state.want_logprobs and request_id in outputs.logprobs:
+                entry = outputs.logprobs[request_id]
+                logprobs = [dict(zip(entry.token_ids, entry.logprobs))]
+                completion.logprobs.extend(logprobs)
+            text = state.detokenizer.append(token)
+            completion.text += text
+            delta = CompletionDelta(state.output.request_id, completion.index, text, [token], logprobs, None)
+            deltas[request_id] = delta
+            if state.detokenizer.stop_reason is not None:
+                self._finish(request_id, delta, "stop", state.detokenizer.stop_reason)
+                to_abort.append(request_id)
+        for finished in outputs.finished:
+            if finished.request_id not in self._completions:
+                continue
+            state = self._completions[finished.request_id]
+            delta = deltas.get(finished.request_id) or CompletionDelta(
+                state.output.request_id, state.completion.index, "", [], None, None
+            )
+            deltas[finished.request_id] = delta
+            self._finish(finished.request_id, delta, finished.finish_reason, finished.stop_token_id, finished.message)
+        return list(deltas.values()), to_abort
+
+    def _finish(
+        self, request_id: str, delta: CompletionDelta, reason: str, stop_reason: str | int | None,
+        error: str | None = None,
+    ) -> None:
+        state = self._completions.pop(request_id)
+        tail = state.detokenizer.flush()
+        completion = state.completion
+        completion.text += tail
+        completion.finish_reason, completion.stop_reason, completion.error = reason, stop_reason, error
+        delta.text += tail
+        delta.finish_reason, delta.stop_reason, delta.error = reason, stop_reason, error

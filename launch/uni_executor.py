@@ -1,0 +1,22 @@
+"""The in-process executor: one rank, the model runner called directly (tests, debugging)."""
+
+import torch
+
+from engine_core.protocol import ModelRunnerOutput, SchedulerOutput
+from worker.config import WorkerConfig
+from worker.model_runner import ModelRunner, default_num_threads
+from worker.parallel_state import TensorParallel
+
+
+class UniExecutor:
+    def __init__(self, config: WorkerConfig) -> None:
+        torch.set_num_threads(default_num_threads(1))
+        self.runner = ModelRunner(config, TensorParallel(rank=0, size=1))
+        self.num_blocks = self.runner.num_blocks
+        self.vocab_size = self.runner.model.vocab_size
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(scheduler_output)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,172 @@
+"""Runs one step for one rank: apply the scheduler's diff to the persistent batch, build the
+inputs, run the model over the paged KV cache, sample."""
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from engine_core.protocol import ModelRunnerOutput, SchedulerOutput, pack_tokens
+from worker.attention import AttentionMetadata, get_attention_backend
+from worker.config import WorkerConfig
+from worker.input_batch import InputBatch, StepInputs
+from worker.model_loader import load_model, resolve_dtype
+from worker.parallel_state import TensorParallel
+from worker.sampler import SamplingMetadata, sample
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+GPU_MEMORY_UTILIZATION = 0.85
+
+
+class ModelRunner:
+    """Owns the model, this rank's KV cache and the persistent batch."""
+
+    def __init__(self, config: WorkerConfig, tp: TensorParallel) -> None:
+        self.config = config
+        self.tp = tp
+        self.device = torch.device(config.device)
+        self.dtype, reason = resolve_dtype(config.dtype, self.device)
+        logger.info("rank %d: dtype %s (%s)", tp.rank, self.dtype, reason)
+        backend = get_attention_backend(config.attention_backend, self.device)
+        self.model = load_model(config.model, self.dtype, tp, backend, self.device)
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks()
+        cache_shape = (2, self.num_blocks, self.block_size, self.model.num_kv_heads_per_rank, self.model.head_dim)
+        self.kv_caches = [
+            torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)
+        ]
+        # Handles go up to twice max_num_seqs (finished handles are reserved for a step).
+        self.batch = InputBatch(2 * config.max_num_seqs, config.max_model_len, self.block_size)
+
+    def bytes_per_block(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.block_size * self.model.num_kv_heads_per_rank * self.model.head_dim * element * self.model.num_layers
+
+    def _num_blocks(self) -> int:
+        if self.config.num_gpu_blocks is not None:
+            return self.config.num_gpu_blocks
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * GPU_MEMORY_UTILIZATION)
+            else:
+                budget = CPU_DEFAULT_KV_CACHE_BYTES
+        num_blocks = budget // self.bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(f"KV-cache memory of {budget} bytes holds no block of {self.bytes_per_block()} bytes")
+        return num_blocks
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        rows, num_scheduled = self._update_batch(step)
+        if len(rows) == 0:
+            return ModelRunnerOutput(step=step.step, rank=self.tp.rank)
+        inputs = self.batch.prepare(rows, num_scheduled)
+        hidden = self.model(
+            self._to_device(inputs.token_ids),
+            self._to_device(inputs.positions),
+            self.kv_caches,
+            self._attention_metadata(inputs),
+        )
+        last_token = self._to_device(inputs.query_start_loc[1:] - 1)
+        logits = self.model.compute_logits(hidden[last_token])
+        tokens, logprobs = sample(logits, self._sampling_metadata(inputs))
+        sampled = tokens.cpu().numpy()
+        self.batch.advance(rows, num_scheduled, sampled)
+        return ModelRunnerOutput(
+            step=step.step, rank=self.tp.rank, sampled_token_ids=pack_tokens(sampled.tolist()), logprobs=logprobs
+        )
+
+    def _update_batch(self, step: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:
+        """Apply the step's diff; return the scheduled rows and their token counts, in batch order."""
+        for handle in step.finished_handles + step.preempted_handles:
+            self.batch.remove(handle)
+        for new in step.new_requests:
+            self.batch.add(new)
+        for handle, block_ids in step.cached.new_block_ids.items():
+            self.batch.append_blocks(handle, block_ids)
+        cached = np.frombuffer(step.cached.handles, dtype=np.uint16).astype(np.int64)
+        rows = np.concatenate(([new.handle for new in step.new_requests], cached)).astype(np.int64)
+        num_scheduled = np.ones(len(rows), dtype=np.int64)
+        num_scheduled[: len(step.new_requests)] = [new.num_scheduled_tokens for new in step.new_requests]
+        if step.cached.num_tokens:
+            position = {handle: i for i, handle in enumerate(cached.tolist())}
+            offset = len(step.new_requests)
+            for handle, count in step.cached.num_tokens.items():
+                num_scheduled[offset + position[handle]] = count
+        return rows, num_scheduled
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self._to_device(inputs.slot_mapping),
+            block_tables=self._to_device(inputs.block_tables),
+            query_start_loc=self._to_device(inputs.query_start_loc.astype(np.int32)),
+            seq_lens=self._to_device(inputs.seq_lens.astype(np.int32)),
+            max_query_len=int(inputs.num_scheduled.max()),
+            max_seq_len=int(inputs.seq_lens.max()),
+        )
+
+    def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
+        batch, rows = self.batch, inputs.rows
+        vocab = self.model.vocab_size
+        temperature = batch.temperature[rows]
+        top_k = batch.top_k[rows]
+        top_p = batch.top_p[rows]
+        min_p = batch.min_p[rows]
+        num_output = batch.num_tokens[rows] - batch.num_prompt[rows]
+        meta = SamplingMetadata(
+            temperature=self._to_device(temperature),
+            top_k=self._to_device(np.where(top_k > 0, top_k, vocab)),
+            top_p=self._to_device(top_p),
+            min_p=self._to_device(min_p),
+            seeds=self._to_device(batch.seed[rows]),
+            output_positions=self._to_device(num_output),
+            all_greedy=bool((temperature == 0).all()),
+            need_top_k=bool((top_k > 0).any()),
+            need_top_p=bool((top_p < 1).any()),
+            need_min_p=bool((min_p > 0).any()),
+        )
+        penalised = (batch.presence_penalty[rows] != 0) | (batch.frequency_penalty[rows] != 0) | (batch.repetition_penalty[rows] != 1)
+        if penalised.any():
+            self._add_penalties(meta, rows)
+        banned = [
+            (i, batch.stop_token_ids[row])
+            for i, row in enumerate(rows.tolist())
+            if num_output[i] < batch.min_tokens[row] and batch.stop_token_ids[row]
+        ]
+        meta.banned_tokens = banned or None
+        wanted = [(i, int(batch.num_logprobs[row])) for i, row in enumerate(rows.tolist()) if batch.num_logprobs[row] >= 0]
+        meta.logprob_rows = wanted or None
+        return meta
+
+    def _add_penalties(self, meta: SamplingMetadata, rows: np.ndarray) -> None:
+        batch = self.batch
+        longest = int(batch.num_tokens[rows].max())
+        tokens = self._to_device(batch.token_ids[rows, :longest])
+        column = torch.arange(longest, device=self.device)[None, :]
+        known = column < self._to_device(batch.num_tokens[rows])[:, None]
+        is_output = known & (column >= self._to_device(batch.num_prompt[rows])[:, None])
+        vocab = self.model.vocab_size
+        counts = torch.zeros(len(rows), vocab, device=self.device)
+        counts.scatter_add_(1, tokens, is_output.float())
+        seen = torch.zeros(len(rows), vocab, device=self.device)
+        seen.scatter_add_(1, tokens, known.float())
+        meta.output_token_counts = counts
+        meta.seen_token_mask = seen > 0
+        meta.presence_penalty = self._to_device(batch.presence_penalty[rows])
+        meta.frequency_penalty = self._to_device(batch.frequency_penalty[rows])
+        meta.repetition_penalty = self._to_device(batch.repetition_penalty[rows])
+
+
+def default_num_threads(tensor_parallel_size: int) -> int:
+    """Torch threads per rank: honour OMP_NUM_THREADS, else share the cores among ranks."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, (os.cpu_count() or 1) // tensor_parallel_size)
