@@ -25,6 +25,10 @@ class Executor(Protocol):
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def stats(self) -> dict[str, float]:
+        """Executor-specific timings (e.g. IPC cost per step) for debug calls and benchmarks."""
+        ...
+
     def shutdown(self) -> None: ...
 
 

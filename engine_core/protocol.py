@@ -82,7 +82,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     offload_hits: int = 0
 
 
-class EngineCoreOutputs(msgspec.Struct, array_like=True):
+class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="out"):
     """One step's results, as columns: ``new_token_ids[i]`` belongs to ``request_ids[i]``.
     ``logprobs`` maps a request id to its new token's logprobs when it asked for them."""
 
@@ -134,7 +134,7 @@ class KVConnectorMetadata(msgspec.Struct, array_like=True):
     stores: list[BlockTransfer] = []
 
 
-class SchedulerOutput(msgspec.Struct, array_like=True):
+class SchedulerOutput(msgspec.Struct, array_like=True, tag="step"):
     """What the workers run this step. Batch order: ``new_requests`` then ``cached``.
     Workers drop ``finished_handles`` and ``preempted_handles`` before adding new requests
     (a handle freed this step may be reused by a new request in the same step)."""
@@ -153,7 +153,7 @@ class KVConnectorOutput(msgspec.Struct, array_like=True):
     finished_recving: list[str] = []
 
 
-class ModelRunnerOutput(msgspec.Struct, array_like=True):
+class ModelRunnerOutput(msgspec.Struct, array_like=True, tag="out"):
     """A step's result from one rank. ``sampled_token_ids`` is packed int32, one per
     scheduled request in batch order (meaningless for a partial prefill chunk).
     ``logprobs`` maps a batch row to its logprobs."""
@@ -165,4 +165,51 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     kv_connector_output: KVConnectorOutput | None = None
 
 
-FrontendMessage = EngineCoreRequest | AbortRequests
+# ---- process control ----------------------------------------------------------------------
+
+UtilityResult = dict[str, int | float | str | bool | None]
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, tag="call"):
+    """A side call to the EngineCore: ``ping`` (health) or ``debug_state`` (stats + invariants)."""
+
+    call_id: int
+    method: str
+
+
+class UtilityResponse(msgspec.Struct, array_like=True, tag="reply"):
+    call_id: int
+    result: UtilityResult | None = None
+    error: str | None = None
+
+
+class EngineReady(msgspec.Struct, array_like=True, tag="ready"):
+    num_blocks: int
+    vocab_size: int
+
+
+class EngineDead(msgspec.Struct, array_like=True, tag="dead"):
+    """The EngineCore's last word: why it is shutting down (in-flight requests already failed)."""
+
+    reason: str
+
+
+class WorkerReady(msgspec.Struct, array_like=True, tag="ready"):
+    rank: int
+    num_blocks: int
+    vocab_size: int
+
+
+class WorkerFailed(msgspec.Struct, array_like=True, tag="failed"):
+    rank: int
+    message: str
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
+    pass
+
+
+FrontendMessage = EngineCoreRequest | AbortRequests | UtilityRequest
+CoreMessage = EngineCoreOutputs | UtilityResponse | EngineReady | EngineDead
+ExecutorMessage = SchedulerOutput | Shutdown
+WorkerMessage = ModelRunnerOutput | WorkerReady | WorkerFailed

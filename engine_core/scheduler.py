@@ -112,6 +112,11 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._push_waiting(request)
 
+    def take_finished(self) -> list[FinishedRequest]:
+        """Finished requests not yet reported (``update_from_output`` includes them)."""
+        finished, self._pending_finished = self._pending_finished, []
+        return finished
+
     def reject(self, request_id: str, message: str) -> None:
         """Report a request that never entered the queues as finished with ``error``."""
         self._pending_finished.append(FinishedRequest(request_id, "error", message))
@@ -147,8 +152,9 @@ class Scheduler:
         self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
 
     def has_work(self) -> bool:
-        """Requests to run or outputs to deliver. Released handles alone wait for a real step."""
-        return bool(self.requests or self._pending_finished)
+        """Requests to run, outputs to deliver, or blocks a connector copy still holds (the
+        copy's completion arrives only with a step). Released handles alone wait for a real step."""
+        return bool(self.requests or self._pending_finished or self.kv.held)
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -270,8 +276,12 @@ class Scheduler:
             request.num_computed_tokens + len(computed_blocks) * self.config.block_size + num_external
         )
         num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
+        # An async load also reserves blocks for the tokens left to compute: requests waiting
+        # for KV are never preempted, so if they needed more blocks once loaded they could
+        # fill the pool and wait for each other forever.
+        num_reserved = request.num_tokens - num_computed if load_async else num_new
         new_blocks = self.kv.allocate_slots(
-            request, num_new, computed_blocks, num_external, delay_caching=load_async
+            request, num_reserved, computed_blocks, num_external, delay_caching=load_async
         )
         if new_blocks is None:
             return None
@@ -401,9 +411,7 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         if runner_output.kv_connector_output is not None:
             self._update_transfers(runner_output)
-        finished = self._pending_finished
-        self._pending_finished = []
-        return EngineCoreOutputs(request_ids, new_token_ids, logprobs, finished, self.stats())
+        return EngineCoreOutputs(request_ids, new_token_ids, logprobs, self.take_finished(), self.stats())
 
     def _update_transfers(self, runner_output: ModelRunnerOutput) -> None:
         connector_output = runner_output.kv_connector_output
@@ -415,6 +423,8 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus, message: str | None = None) -> None:
         """Mark a request finished and release it; the caller removes it from ``running``."""
+        if request.status == RequestStatus.WAITING_FOR_KV and request.request_id not in self._loaded:
+            request.num_computed_tokens = 0  # its load has not landed: keep its blocks out of the prefix cache
         request.status = status
         request.error = message
         del self.requests[request.request_id]

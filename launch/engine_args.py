@@ -30,6 +30,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
+    worker_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.executor not in ("uni", "mp", "ray"):
@@ -56,6 +57,7 @@ class EngineArgs:
         add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         add("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         add("--attention-backend", default=None, choices=["torch", "triton"])
+        add("--worker-timeout-s", type=float, default=60.0, help="a worker silent this long is declared hung")
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "EngineArgs":

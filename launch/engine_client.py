@@ -1,8 +1,9 @@
-"""Starting an engine for a frontend: the in-process client here, the EngineCore process
-client for ``--executor mp|ray``."""
+"""Starting an engine for a frontend: in this process (``--executor uni``) or as an EngineCore
+process with workers (``mp``, ``ray``)."""
 
 from engine_core.engine_core import EngineCore
 from engine_core.protocol import EngineCoreOutputs, EngineCoreRequest
+from launch.core_client import SyncCoreClient
 from launch.engine_args import EngineArgs, ResolvedConfig
 
 
@@ -31,7 +32,9 @@ class InprocClient:
         self.core.shutdown()
 
 
-def start_engine(args: EngineArgs, resolved: ResolvedConfig) -> InprocClient:
-    from launch.uni_executor import UniExecutor
+def start_engine(args: EngineArgs, resolved: ResolvedConfig) -> InprocClient | SyncCoreClient:
+    if args.executor == "uni":
+        from launch.uni_executor import UniExecutor
 
-    return InprocClient(EngineCore(resolved.scheduler, UniExecutor(resolved.worker)))
+        return InprocClient(EngineCore(resolved.scheduler, UniExecutor(resolved.worker)))
+    return SyncCoreClient(resolved.scheduler, resolved.worker, args.executor, args.worker_timeout_s)

@@ -82,6 +82,11 @@ class OutputProcessor:
         """The engine request ids of a prompt's unfinished completions."""
         return [child for child, state in self._completions.items() if state.output.request_id == request_id]
 
+    def forget(self, request_id: str) -> None:
+        """Drop a prompt's unfinished completions (its consumer is gone)."""
+        for child in self.child_ids(request_id):
+            del self._completions[child]
+
     def has_unfinished(self) -> bool:
         return bool(self._completions)
 

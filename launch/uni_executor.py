@@ -18,5 +18,8 @@ class UniExecutor:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
 
+    def stats(self) -> dict[str, float]:
+        return {}
+
     def shutdown(self) -> None:
         pass

@@ -128,25 +128,41 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def partition_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> tuple[slice, slice]:
+    """This rank's query heads and the KV heads they read.
+
+    KV heads are dealt out in contiguous runs, each with its whole group of query heads, so a
+    model whose head counts do not divide by the TP size still splits (SmolLM2's 9 query and 3
+    KV heads over 2 ranks: 3 + 6 query heads). With fewer KV heads than ranks, each KV head is
+    replicated on the ranks that split its query group.
+    """
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= tp.size:
+        kv_start, kv_stop = tp.rank * num_kv_heads // tp.size, (tp.rank + 1) * num_kv_heads // tp.size
+        return slice(kv_start * group, kv_stop * group), slice(kv_start, kv_stop)
+    ranks_per_kv = tp.size // num_kv_heads
+    if tp.size % num_kv_heads or group % ranks_per_kv:
+        raise ValueError(
+            f"{num_heads} query / {num_kv_heads} KV heads cannot be split across {tp.size} ranks"
+        )
+    kv_head, part = divmod(tp.rank, ranks_per_kv)
+    per_rank = group // ranks_per_kv
+    q_start = kv_head * group + part * per_rank
+    return slice(q_start, q_start + per_rank), slice(kv_head, kv_head + 1)
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query attention over this rank's query heads and the KV heads they read."""
 
     def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
         super().__init__()
         num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        if num_heads % tp.size:
-            raise ValueError(f"{num_heads} attention heads cannot be split across {tp.size} ranks")
-        if num_kv_heads % tp.size and tp.size % num_kv_heads:
-            raise ValueError(
-                f"{num_kv_heads} KV heads can be neither split nor replicated across {tp.size} ranks"
-            )
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        self.num_heads = num_heads // tp.size
-        self.num_kv_heads = max(1, num_kv_heads // tp.size)
-        # With fewer KV heads than ranks, each rank keeps the one KV head its query heads share.
-        kv_start = tp.rank * num_kv_heads // tp.size * self.head_dim
-        kv_rows = slice(kv_start, kv_start + self.num_kv_heads * self.head_dim)
-        q_rows = tp.shard(num_heads * self.head_dim)
+        q_heads, kv_heads = partition_heads(num_heads, num_kv_heads, tp)
+        self.num_heads = q_heads.stop - q_heads.start
+        self.num_kv_heads = kv_heads.stop - kv_heads.start
+        q_rows = slice(q_heads.start * self.head_dim, q_heads.stop * self.head_dim)
+        kv_rows = slice(kv_heads.start * self.head_dim, kv_heads.stop * self.head_dim)
         # Qwen2 always has q/k/v biases and never an o_proj bias; Llama's flag covers all four.
         is_qwen2 = config.model_type == "qwen2"
         attention_bias = getattr(config, "attention_bias", False)
@@ -154,7 +170,7 @@ class LlamaAttention(nn.Module):
             config.hidden_size, [q_rows, kv_rows, kv_rows], bias=is_qwen2 or attention_bias
         )
         self.o_proj = RowParallelLinear(
-            num_heads * self.head_dim, config.hidden_size, tp, bias=attention_bias and not is_qwen2
+            num_heads * self.head_dim, config.hidden_size, tp, bias=attention_bias and not is_qwen2, columns=q_rows
         )
         self.attn_backend = attn_backend
         self.scale = self.head_dim**-0.5

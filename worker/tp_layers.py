@@ -73,11 +73,14 @@ class RowParallelLinear(nn.Module):
     partial sums are all-reduced; the bias is added once, after the reduce.
     """
 
-    def __init__(self, input_size: int, output_size: int, tp: TensorParallel, bias: bool = False) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, tp: TensorParallel, bias: bool = False, columns: slice | None = None
+    ) -> None:
+        """``columns``: this rank's input features when they are not an equal share."""
         super().__init__()
         self.tp = tp
-        self.columns = tp.shard(input_size)
-        self.weight = _parameter(output_size, input_size // tp.size)
+        self.columns = columns or tp.shard(input_size)
+        self.weight = _parameter(output_size, self.columns.stop - self.columns.start)
         self.bias = _parameter(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,144 @@
+"""The EngineCore's busy loop: requests in, steps, outputs out, over ZeroMQ.
+
+Two I/O threads own the sockets: one decodes frontend frames into a queue, one encodes and
+sends outputs, so the loop never waits on a socket. With no work, the loop blocks on the
+input queue instead of spinning.
+"""
+
+import logging
+import queue
+import threading
+
+import msgspec
+import zmq
+
+from engine_core.engine_core import EngineCore
+from engine_core.ipc import make_socket
+from engine_core.protocol import (
+    AbortRequests,
+    CoreMessage,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    EngineReady,
+    FrontendMessage,
+    UtilityRequest,
+    UtilityResponse,
+    UtilityResult,
+)
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class ExecutorFailed(RuntimeError):
+    """A worker died, hung or raised: the engine cannot go on."""
+
+
+class EngineCoreLoop:
+    def __init__(self, input_endpoint: str, output_endpoint: str) -> None:
+        self.core: EngineCore | None = None
+        self.inputs: queue.Queue = queue.Queue()
+        self.outputs: queue.Queue = queue.Queue()
+        self.context = zmq.Context()
+        # Bound before the loop starts, so the frontend can connect as soon as it hears "ready".
+        self._input_socket = make_socket(self.context, zmq.PULL, input_endpoint, bind=True)
+        self._output_socket = make_socket(self.context, zmq.PUSH, output_endpoint, bind=True)
+        self._threads = [
+            threading.Thread(target=self._receive, name="core-input", daemon=True),
+            threading.Thread(target=self._send, name="core-output", daemon=True),
+        ]
+
+    def serve(self, core: EngineCore, ready: EngineReady) -> None:
+        """Announce ``ready``, then serve until the process is told to stop or the executor fails."""
+        self.core = core
+        for thread in self._threads:
+            thread.start()
+        self.outputs.put(ready)
+        try:
+            self._loop()
+        except ExecutorFailed as error:
+            logger.error("engine stopping: %s", error)
+            self._fail_everything(str(error))
+        except Exception as error:  # a bug: fail loudly but still answer every request
+            logger.exception("engine stopping on an unexpected error")
+            self._fail_everything(f"internal engine error: {error!r}")
+        finally:
+            self.outputs.put(_STOP)
+            self._threads[1].join(timeout=5)
+
+    def report_startup_failure(self, reason: str) -> None:
+        """Tell the frontend why there will be no ``EngineReady``."""
+        self._output_socket.send(msgspec.msgpack.encode(EngineDead(reason)))
+
+    def _loop(self) -> None:
+        while True:
+            if not self.core.has_work():
+                self._handle(self.inputs.get())  # idle: block, do not spin
+            while not self.inputs.empty():
+                self._handle(self.inputs.get_nowait())
+            if self.core.has_work():
+                self.outputs.put(self.core.step())
+
+    def _handle(self, message: object) -> None:
+        if isinstance(message, EngineCoreRequest):
+            self.core.add_request(message)
+        elif isinstance(message, AbortRequests):
+            self.core.abort_requests(message.request_ids)
+        elif isinstance(message, UtilityRequest):
+            self.outputs.put(self._utility(message))
+
+    def _utility(self, call: UtilityRequest) -> UtilityResponse:
+        if call.method == "ping":
+            return UtilityResponse(call.call_id, {"ok": True})
+        if call.method == "debug_state":
+            return UtilityResponse(call.call_id, self._debug_state())
+        return UtilityResponse(call.call_id, error=f"unknown utility method {call.method!r}")
+
+    def _debug_state(self) -> UtilityResult:
+        scheduler = self.core.scheduler
+        try:
+            scheduler.check_invariants()
+            invariants = "ok"
+        except AssertionError as error:
+            invariants = str(error)
+        result: UtilityResult = msgspec.structs.asdict(scheduler.stats())
+        result.update(
+            invariants=invariants,
+            num_free_blocks=scheduler.kv.num_free_blocks,
+            num_blocks=scheduler.kv.num_blocks,
+            num_requests=len(scheduler.requests),
+        )
+        result.update(self.core.executor.stats())
+        return result
+
+    def _fail_everything(self, reason: str) -> None:
+        scheduler = self.core.scheduler
+        scheduler.abort_requests(list(scheduler.requests), message=reason)
+        self.outputs.put(EngineCoreOutputs(finished=scheduler.take_finished()))
+        self.outputs.put(EngineDead(reason))
+
+    def _receive(self) -> None:
+        decoder = msgspec.msgpack.Decoder(FrontendMessage)
+        while True:
+            try:
+                frame = self._input_socket.recv()
+            except zmq.ZMQError:
+                return
+            try:
+                self.inputs.put(decoder.decode(frame))
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
+                logger.warning("dropped a malformed frame on the EngineCore input socket: %s", error)
+
+    def _send(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        while True:
+            message = self.outputs.get()
+            if message is _STOP:
+                return
+            self._output_socket.send(encoder.encode(message), copy=False)
+
+    def close(self) -> None:
+        self.context.destroy(linger=500)  # let a last EngineDead reach the frontend
+

@@ -1,0 +1,118 @@
+"""The asyncio frontend over the EngineCore process: one async stream of deltas per request.
+
+Used by the HTTP server. A background task receives each step's outputs, detokenizes them
+and routes every completion's delta to its request's queue; leaving a stream early (a client
+disconnect) aborts the request in the engine.
+"""
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+
+from transformers import AutoTokenizer
+
+from engine_core.protocol import EngineCoreOutputs, SchedulerStats
+from engine_core.sampling_params import SamplingParams
+from launch.core_client import AsyncCoreClient, EngineDeadError
+from launch.engine_args import EngineArgs, ResolvedConfig, resolve
+from launch.output_processor import CompletionDelta, OutputProcessor
+from launch.outputs import RequestOutput
+
+
+class AsyncEngine:
+    """Create with ``await AsyncEngine.start(args)``; ``shutdown()`` stops the processes."""
+
+    def __init__(self, args: EngineArgs, config: ResolvedConfig) -> None:
+        if args.executor == "uni":
+            raise ValueError("the async engine runs the EngineCore in its own process: use --executor mp or ray")
+        self.args = args
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.client = AsyncCoreClient(config.scheduler, config.worker, args.executor, args.worker_timeout_s)
+        self.processor = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_id)
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self.stats: SchedulerStats | None = None
+        self.dead_reason: str | None = None
+        self._background: set[asyncio.Task] = set()
+
+    @classmethod
+    async def start(cls, args: EngineArgs) -> "AsyncEngine":
+        config = await asyncio.to_thread(resolve, args)
+        engine = cls(args, config)
+        await engine.client.start(engine._on_output, engine._on_dead)
+        return engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+    ) -> AsyncIterator[CompletionDelta]:
+        """Stream the deltas of every completion of ``prompt`` until all are finished.
+        Raises ``EngineDeadError`` if the engine dies meanwhile."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        request_id = request_id or f"request-{next(self._ids)}"
+        text, token_ids = (prompt, self.tokenize(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        requests = self.processor.add_request(request_id, text, token_ids, params, priority)
+        finished = False
+        try:
+            for request in requests:
+                await self.client.add_request(request)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, EngineDeadError):
+                    raise item
+                yield item
+                finished = self.processor.outputs[request_id].finished
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the consumer left early: stop spending compute on it
+                children = self.processor.child_ids(request_id)
+                self.processor.forget(request_id)
+                if children and self.dead_reason is None:
+                    self._spawn(self.client.abort_requests(children))
+            self.processor.outputs.pop(request_id, None)
+
+    def output_of(self, request_id: str) -> RequestOutput:
+        """The cumulative output of a request still streaming (or just finished)."""
+        return self.processor.outputs[request_id]
+
+    async def debug_state(self) -> dict:
+        return await self.client.call_utility("debug_state")
+
+    async def check_health(self) -> None:
+        """Raise ``EngineDeadError`` unless the EngineCore answers a ping."""
+        if self.client.dead_reason is not None:
+            raise EngineDeadError(self.client.dead_reason)
+        await self.client.call_utility("ping", timeout_s=5.0)
+
+    def _on_output(self, outputs: EngineCoreOutputs) -> None:
+        self.stats = outputs.stats or self.stats
+        deltas, to_abort = self.processor.process(outputs)
+        for delta in deltas:
+            queue = self._streams.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+        if to_abort:
+            self._spawn(self.client.abort_requests(to_abort))
+
+    def _on_dead(self, reason: str) -> None:
+        self.dead_reason = reason
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError(reason))
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def shutdown(self) -> None:
+        self.client.shutdown()

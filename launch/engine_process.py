@@ -1,0 +1,68 @@
+"""The EngineCore process: ``python -m launch.engine_process`` with its config (msgpack) on
+stdin. Starts the executor (and through it the workers), then serves the busy loop. It never
+imports torch: the workers do the tensor work."""
+
+import logging
+import signal
+import sys
+
+import msgspec
+
+from engine_core.core_loop import EngineCoreLoop, ExecutorFailed
+from engine_core.engine_core import EngineCore, Executor
+from engine_core.ipc import IpcDir, die_with_parent
+from engine_core.protocol import EngineReady
+from engine_core.scheduler import SchedulerConfig
+from worker.config import WorkerConfig
+
+logger = logging.getLogger("engine_core")
+
+INPUT_ENDPOINT = "engine-input"
+OUTPUT_ENDPOINT = "engine-output"
+
+
+class EngineProcessConfig(msgspec.Struct):
+    scheduler: SchedulerConfig
+    worker: WorkerConfig
+    executor: str  # "mp" | "ray"
+    ipc_dir: str  # owned by the frontend, which removes it even if this process is killed
+    worker_timeout_s: float = 60.0
+
+
+def build_executor(config: EngineProcessConfig) -> Executor:
+    if config.executor == "mp":
+        from launch.mp_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config.worker, config.ipc_dir, config.worker_timeout_s)
+    raise ValueError(f"unknown executor {config.executor!r}")
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def main() -> None:
+    die_with_parent()
+    config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=EngineProcessConfig)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    ipc = IpcDir(config.ipc_dir)
+    loop = EngineCoreLoop(ipc.endpoint(INPUT_ENDPOINT), ipc.endpoint(OUTPUT_ENDPOINT))
+    executor = None
+    try:
+        try:
+            executor = build_executor(config)
+        except (ExecutorFailed, ValueError, OSError) as error:
+            loop.report_startup_failure(f"the executor failed to start: {error}")
+            sys.exit(1)
+        core = EngineCore(config.scheduler, executor)
+        loop.serve(core, EngineReady(executor.num_blocks, executor.vocab_size))
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+        if executor is not None:
+            executor.shutdown()
+        loop.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Faults end cleanly: a killed or hung worker fails every in-flight request with an error
+naming the rank, a dead EngineCore is noticed, and garbage frames are dropped."""
+
+import os
+import signal
+import threading
+import time
+
+import msgspec
+import psutil
+import pytest
+import zmq
+
+from launch import LLM, SamplingParams
+from launch.core_client import EngineDeadError
+
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    engine_core = psutil.Process(llm.engine.process.pid)
+    return [p.pid for p in engine_core.children() if "worker.worker_process" in " ".join(p.cmdline())]
+
+
+def test_killed_worker_fails_requests_with_an_error_naming_the_rank():
+    llm = LLM(executor="mp", tensor_parallel_size=2, dtype="float32", worker_timeout_s=30)
+    try:
+        victim = worker_pids(llm)[1]
+        threading.Timer(3.0, os.kill, (victim, signal.SIGKILL)).start()
+        started = time.monotonic()
+        outputs = llm.generate(["Tell me a long story."] * 3, LONG, use_tqdm=False)
+        assert time.monotonic() - started < 3.0 + 10
+        for output in outputs:
+            completion = output.outputs[0]
+            assert completion.finish_reason == "error"
+            assert "rank 1" in completion.error
+        with pytest.raises(EngineDeadError):
+            llm.generate("again", LONG, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_hung_worker_is_detected_by_the_timeout():
+    llm = LLM(executor="mp", dtype="float32", worker_timeout_s=2)
+    try:
+        victim = psutil.Process(worker_pids(llm)[0])
+        threading.Timer(2.0, victim.suspend).start()
+        started = time.monotonic()
+        (output,) = llm.generate("Tell me a long story.", LONG, use_tqdm=False)
+        assert output.outputs[0].finish_reason == "error"
+        assert "did not answer" in output.outputs[0].error and "rank" in output.outputs[0].error
+        assert time.monotonic() - started < 2.0 + 10
+    finally:
+        llm.shutdown()
+
+
+def test_dead_engine_core_is_noticed_instead_of_waiting_forever():
+    llm = LLM(executor="mp", dtype="float32")
+    try:
+        threading.Timer(2.0, os.kill, (llm.engine.process.pid, signal.SIGKILL)).start()
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="exited"):
+            llm.generate("Tell me a long story.", LONG, use_tqdm=False)
+        assert time.monotonic() - started < 2.0 + 10
+    finally:
+        llm.shutdown()
+
+
+def test_garbage_frames_on_the_engine_input_do_not_stop_it():
+    llm = LLM(executor="mp", dtype="float32")
+    try:
+        context = zmq.Context()
+        intruder = context.socket(zmq.PUSH)
+        intruder.connect(llm.engine.process.input_endpoint)
+        for frame in [b"\x00garbage", msgspec.msgpack.encode(["add", 1, 2, 3]), msgspec.msgpack.encode({"x": 1}),
+                      msgspec.msgpack.encode(["add", "r", [1], {"top_p": 5}, None, 0.0, 0])]:
+            intruder.send(frame)
+        intruder.close(linger=1000)
+        context.term()
+        (output,) = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert output.outputs[0].finish_reason == "length"
+    finally:
+        llm.shutdown()
