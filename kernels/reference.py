@@ -9,6 +9,8 @@ Layouts shared by every backend:
   Its context lives in the blocks ``block_tables[i, :ceil(seq_lens[i] / block_size)]``.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -39,15 +41,41 @@ def copy_blocks(
     dst_cache.index_copy_(1, dst_block_ids.to(dst_cache.device, torch.long), blocks.to(dst_cache.device))
 
 
-def gather_context(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[num_tokens, num_kv_heads, head_dim]`` of one sequence's context."""
-    block_size = kv_cache.shape[2]
-    num_blocks = -(-num_tokens // block_size)
-    blocks = kv_cache[:, block_table[:num_blocks].long()]
-    blocks = blocks.reshape(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])
-    return blocks[0, :num_tokens], blocks[1, :num_tokens]
+@dataclass
+class AttentionPlan:
+    """The index work of one step, shared by every layer: which query rows are decodes, the
+    padded block lists they read, and each multi-token chunk's blocks and causal mask."""
+
+    decode_rows: torch.Tensor | None  # [D] query rows of single-token sequences
+    decode_blocks: torch.Tensor | None  # [D, max_blocks] block ids, padded with block 0
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] True = real context
+    chunks: list[tuple[slice, torch.Tensor, int, torch.Tensor | None]]  # rows, blocks, context, mask
+
+
+def plan_attention(
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+) -> AttentionPlan:
+    device = block_tables.device
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    decode_rows = decode_blocks = decode_mask = None
+    if decodes:
+        decode_rows = torch.tensor([starts[i] for i in decodes], device=device)
+        context = torch.tensor([lens[i] for i in decodes], device=device)
+        max_blocks = -(-max(lens[i] for i in decodes) // block_size)
+        decode_blocks = block_tables[torch.tensor(decodes, device=device), :max_blocks].long()
+        positions = torch.arange(max_blocks * block_size, device=device)
+        decode_mask = (positions[None, :] < context[:, None])[:, None, None, :]
+    chunks = []
+    for i in range(len(lens)):
+        q_len, context = starts[i + 1] - starts[i], lens[i]
+        if q_len > 1:
+            blocks = block_tables[i, : -(-context // block_size)].long()
+            # New token j sits at position context - q_len + j and sees every position up to it.
+            mask = None if q_len == context else torch.ones(q_len, context, dtype=torch.bool, device=device).tril(context - q_len)
+            chunks.append((slice(starts[i], starts[i + 1]), blocks, context, mask))
+    return AttentionPlan(decode_rows, decode_blocks, decode_mask, chunks)
 
 
 def paged_attention(
@@ -57,73 +85,51 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its paged context (GQA aware).
-
-    ``query`` is ``[num_tokens, num_heads, head_dim]``; the new tokens' K/V must already be in
-    the cache. Single-token sequences (decodes) run as one padded batch; multi-token chunks run
-    one attention call each, so the cost is per sequence, never per token.
-    """
+    """Causal attention of each sequence's new tokens over its paged context (GQA aware), in
+    float32. ``query`` is ``[num_tokens, num_heads, head_dim]``; the new tokens' K/V must already
+    be in the cache. Single-token sequences (decodes) run as one padded batch; multi-token chunks
+    run one attention call each, so the cost is per sequence, never per token. Pass the step's
+    ``plan`` to skip rebuilding it for every layer."""
+    if plan is None:
+        plan = plan_attention(block_tables, query_start_loc, seq_lens, kv_cache.shape[2])
     out = torch.empty_like(query)
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-    starts = query_start_loc[:-1].tolist()
-    lens = seq_lens.tolist()
-    decodes = [i for i, n in enumerate(q_lens) if n == 1]
-    if decodes:
-        _decode_attention(query, kv_cache, block_tables, starts, lens, decodes, scale, out)
-    for i, q_len in enumerate(q_lens):
-        if q_len > 1:
-            rows = slice(starts[i], starts[i] + q_len)
-            key, value = gather_context(kv_cache, block_tables[i], lens[i])
-            out[rows] = _chunk_attention(query[rows], key, value, scale)
+    if plan.decode_rows is not None:
+        _decode_attention(query, kv_cache, plan, scale, out)
+    for rows, blocks, context, mask in plan.chunks:
+        keys, values = _gather(kv_cache, blocks)
+        attn = F.scaled_dot_product_attention(
+            query[rows].transpose(0, 1).float(),
+            keys[:context].transpose(0, 1).float(),
+            values[:context].transpose(0, 1).float(),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[rows] = attn.transpose(0, 1).to(query.dtype)
     return out
 
 
-def _chunk_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Causal attention for a chunk of new tokens that sit at the end of the context."""
-    q_len, ctx_len = query.shape[0], key.shape[0]
-    # New token j sits at position ctx_len - q_len + j and sees every position up to it.
-    mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=query.device).tril(ctx_len - q_len)
-    attn = F.scaled_dot_product_attention(
-        query.transpose(0, 1).float(),
-        key.transpose(0, 1).float(),
-        value.transpose(0, 1).float(),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return attn.transpose(0, 1).to(query.dtype)
+def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of ``blocks`` (any leading shape), flattened to token order."""
+    gathered = kv_cache[:, blocks]
+    shape = (*blocks.shape[:-1], blocks.shape[-1] * kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4])
+    return gathered[0].reshape(shape), gathered[1].reshape(shape)
 
 
 def _decode_attention(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    starts: list[int],
-    lens: list[int],
-    decodes: list[int],
-    scale: float,
-    out: torch.Tensor,
+    query: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, scale: float, out: torch.Tensor
 ) -> None:
-    """All single-token sequences at once: gather their blocks padded to the longest one."""
-    block_size = kv_cache.shape[2]
-    index = torch.tensor(decodes, device=query.device)
-    rows = torch.tensor([starts[i] for i in decodes], device=query.device)
-    ctx = torch.tensor([lens[i] for i in decodes], device=query.device)
-    max_blocks = -(-max(lens[i] for i in decodes) // block_size)
-    tables = block_tables[index, :max_blocks].long()
-    num_seqs, num_kv_heads, head_dim = len(decodes), kv_cache.shape[3], kv_cache.shape[4]
-    kv = kv_cache[:, tables].reshape(2, num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
-    positions = torch.arange(max_blocks * block_size, device=query.device)
-    mask = (positions[None, :] < ctx[:, None])[:, None, None, :]
+    """All single-token sequences at once over their blocks, padded to the longest context."""
+    keys, values = _gather(kv_cache, plan.decode_blocks)  # [D, context, kv heads, dim]
     attn = F.scaled_dot_product_attention(
-        query[rows].unsqueeze(2).float(),  # [seqs, heads, 1, dim]
-        kv[0].transpose(1, 2).float(),
-        kv[1].transpose(1, 2).float(),
-        attn_mask=mask,
+        query[plan.decode_rows].unsqueeze(2).float(),  # [D, heads, 1, dim]
+        keys.transpose(1, 2).float(),
+        values.transpose(1, 2).float(),
+        attn_mask=plan.decode_mask,
         scale=scale,
         enable_gqa=True,
     )
-    out[rows] = attn.squeeze(2).to(out.dtype)
+    out[plan.decode_rows] = attn.squeeze(2).to(out.dtype)

@@ -22,6 +22,8 @@ class AttentionMetadata:
     # Host-side maxima, when the caller has them: they spare the Triton backend a device sync.
     max_query_len: int | None = None
     max_seq_len: int | None = None
+    # The torch backend's per-step index work, built at the first layer and reused by the rest.
+    reference_plan: reference.AttentionPlan | None = None
 
 
 class TorchAttentionBackend:
@@ -40,9 +42,19 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]``; returns ``[T, H, D]``."""
         reference.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        if meta.reference_plan is None:
+            meta.reference_plan = reference.plan_attention(
+                meta.block_tables, meta.query_start_loc, meta.seq_lens, kv_cache.shape[2]
+            )
         return reference.paged_attention(
-            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, meta.reference_plan
         )
+
+    @staticmethod
+    def cache_dtype(model_dtype: torch.dtype) -> torch.dtype:
+        """float32: the reference attends in float32, and on CPU converting a bf16 cache to
+        float32 at every layer costs more than the memory it saves."""
+        return torch.float32
 
 
 class TritonAttentionBackend:
@@ -78,6 +90,10 @@ class TritonAttentionBackend:
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
         )
+
+    @staticmethod
+    def cache_dtype(model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype
 
 
 _BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}

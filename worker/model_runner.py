@@ -30,19 +30,20 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype, reason = resolve_dtype(config.dtype, self.device)
         logger.info("rank %d: dtype %s (%s)", tp.rank, self.dtype, reason)
-        backend = get_attention_backend(config.attention_backend, self.device)
-        self.model = load_model(config.model, self.dtype, tp, backend, self.device)
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.model = load_model(config.model, self.dtype, tp, self.backend, self.device)
+        self.cache_dtype = self.backend.cache_dtype(self.dtype)
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
         cache_shape = (2, self.num_blocks, self.block_size, self.model.num_kv_heads_per_rank, self.model.head_dim)
         self.kv_caches = [
-            torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)
+            torch.zeros(cache_shape, dtype=self.cache_dtype, device=self.device) for _ in range(self.model.num_layers)
         ]
         # Handles go up to twice max_num_seqs (finished handles are reserved for a step).
         self.batch = InputBatch(2 * config.max_num_seqs, config.max_model_len, self.block_size)
 
     def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.cache_dtype).element_size()
         return 2 * self.block_size * self.model.num_kv_heads_per_rank * self.model.head_dim * element * self.model.num_layers
 
     def _num_blocks(self) -> int:
