@@ -123,20 +123,23 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release a request's blocks tail-first, so its prefix stays cached the longest."""
-        self.hold(request, request.request_id)
-        self.release(request.request_id)
+        self.pool.free_blocks(reversed(self._detach(request)))
 
     def hold(self, request: Request, key: str) -> None:
         """Detach a request's blocks without freeing them: they stay allocated under ``key``
         until ``release(key)``, and the request may allocate afresh meanwhile."""
-        if request.request_id in self.req_to_blocks and request.num_computed_tokens >= self.block_size:
-            self.cache_blocks(request, request.num_computed_tokens)
-        self.held[key] = self.req_to_blocks.pop(request.request_id, [])
-        self._num_cached_blocks.pop(request.request_id, None)
-        request.kv_fast_limit = 0
+        self.held[key] = self._detach(request)
 
     def release(self, key: str) -> None:
         self.pool.free_blocks(reversed(self.held.pop(key, [])))
+
+    def _detach(self, request: Request) -> list[KVCacheBlock]:
+        """Take a request's block table away, registering its full blocks for prefix caching."""
+        if request.request_id in self.req_to_blocks and request.num_computed_tokens >= self.block_size:
+            self.cache_blocks(request, request.num_computed_tokens)
+        self._num_cached_blocks.pop(request.request_id, None)
+        request.kv_fast_limit = 0
+        return self.req_to_blocks.pop(request.request_id, [])
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]

@@ -41,15 +41,26 @@ def copy_blocks(
     dst_cache.index_copy_(1, dst_block_ids.to(dst_cache.device, torch.long), blocks.to(dst_cache.device))
 
 
+# Decodes run in buckets of similar context length: each bucket is gathered padded to its own
+# longest context, so the padding (memory traffic, the CPU path's cost) stays under this ratio.
+_BUCKET_SPREAD = 1.5
+_MIN_BUCKET = 8
+
+
+@dataclass
+class DecodeBucket:
+    rows: torch.Tensor  # [D] query rows of single-token sequences
+    blocks: torch.Tensor  # [D, max_blocks] block ids, padded with block 0
+    mask: torch.Tensor  # [D, 1, 1, max_blocks * block_size] True = real context
+
+
 @dataclass
 class AttentionPlan:
-    """The index work of one step, shared by every layer: which query rows are decodes, the
-    padded block lists they read, and each multi-token chunk's blocks and causal mask."""
+    """The index work of one step, shared by every layer: decode buckets, and each
+    multi-token chunk's rows, blocks, context length and causal mask (None = plain causal)."""
 
-    decode_rows: torch.Tensor | None  # [D] query rows of single-token sequences
-    decode_blocks: torch.Tensor | None  # [D, max_blocks] block ids, padded with block 0
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] True = real context
-    chunks: list[tuple[slice, torch.Tensor, int, torch.Tensor | None]]  # rows, blocks, context, mask
+    decodes: list[DecodeBucket]
+    chunks: list[tuple[slice, torch.Tensor, int, torch.Tensor | None]]
 
 
 def plan_attention(
@@ -58,15 +69,12 @@ def plan_attention(
     device = block_tables.device
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-    decode_rows = decode_blocks = decode_mask = None
-    if decodes:
-        decode_rows = torch.tensor([starts[i] for i in decodes], device=device)
-        context = torch.tensor([lens[i] for i in decodes], device=device)
-        max_blocks = -(-max(lens[i] for i in decodes) // block_size)
-        decode_blocks = block_tables[torch.tensor(decodes, device=device), :max_blocks].long()
-        positions = torch.arange(max_blocks * block_size, device=device)
-        decode_mask = (positions[None, :] < context[:, None])[:, None, None, :]
+    decodes = sorted((i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1), key=lambda i: lens[i])
+    buckets: list[list[int]] = []
+    for i in decodes:
+        if not buckets or (lens[i] > _BUCKET_SPREAD * lens[buckets[-1][0]] and len(buckets[-1]) >= _MIN_BUCKET):
+            buckets.append([])
+        buckets[-1].append(i)
     chunks = []
     for i in range(len(lens)):
         q_len, context = starts[i + 1] - starts[i], lens[i]
@@ -75,7 +83,21 @@ def plan_attention(
             # New token j sits at position context - q_len + j and sees every position up to it.
             mask = None if q_len == context else torch.ones(q_len, context, dtype=torch.bool, device=device).tril(context - q_len)
             chunks.append((slice(starts[i], starts[i + 1]), blocks, context, mask))
-    return AttentionPlan(decode_rows, decode_blocks, decode_mask, chunks)
+    return AttentionPlan([_decode_bucket(b, starts, lens, block_tables, block_size) for b in buckets], chunks)
+
+
+def _decode_bucket(
+    seqs: list[int], starts: list[int], lens: list[int], block_tables: torch.Tensor, block_size: int
+) -> DecodeBucket:
+    device = block_tables.device
+    context = torch.tensor([lens[i] for i in seqs], device=device)
+    max_blocks = -(-max(lens[i] for i in seqs) // block_size)
+    positions = torch.arange(max_blocks * block_size, device=device)
+    return DecodeBucket(
+        rows=torch.tensor([starts[i] for i in seqs], device=device),
+        blocks=block_tables[torch.tensor(seqs, device=device), :max_blocks].long(),
+        mask=(positions[None, :] < context[:, None])[:, None, None, :],
+    )
 
 
 def paged_attention(
@@ -89,14 +111,14 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context (GQA aware), in
     float32. ``query`` is ``[num_tokens, num_heads, head_dim]``; the new tokens' K/V must already
-    be in the cache. Single-token sequences (decodes) run as one padded batch; multi-token chunks
-    run one attention call each, so the cost is per sequence, never per token. Pass the step's
+    be in the cache. Single-token sequences (decodes) run in a few padded batches of similar
+    length; multi-token chunks run one attention call each, so the cost is per sequence, never per token. Pass the step's
     ``plan`` to skip rebuilding it for every layer."""
     if plan is None:
         plan = plan_attention(block_tables, query_start_loc, seq_lens, kv_cache.shape[2])
     out = torch.empty_like(query)
-    if plan.decode_rows is not None:
-        _decode_attention(query, kv_cache, plan, scale, out)
+    for bucket in plan.decodes:
+        _decode_attention(query, kv_cache, bucket, scale, out)
     for rows, blocks, context, mask in plan.chunks:
         keys, values = _gather(kv_cache, blocks)
         attn = F.scaled_dot_product_attention(
@@ -120,16 +142,16 @@ def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def _decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, scale: float, out: torch.Tensor
+    query: torch.Tensor, kv_cache: torch.Tensor, bucket: DecodeBucket, scale: float, out: torch.Tensor
 ) -> None:
-    """All single-token sequences at once over their blocks, padded to the longest context."""
-    keys, values = _gather(kv_cache, plan.decode_blocks)  # [D, context, kv heads, dim]
+    """A bucket of single-token sequences at once, padded to its longest context."""
+    keys, values = _gather(kv_cache, bucket.blocks)  # [D, context, kv heads, dim]
     attn = F.scaled_dot_product_attention(
-        query[plan.decode_rows].unsqueeze(2).float(),  # [D, heads, 1, dim]
+        query[bucket.rows].unsqueeze(2).float(),  # [D, heads, 1, dim]
         keys.transpose(1, 2).float(),
         values.transpose(1, 2).float(),
-        attn_mask=plan.decode_mask,
+        attn_mask=bucket.mask,
         scale=scale,
         enable_gqa=True,
     )
-    out[plan.decode_rows] = attn.squeeze(2).to(out.dtype)
+    out[bucket.rows] = attn.squeeze(2).to(out.dtype)

@@ -9,7 +9,7 @@ from engine_core.scheduler import Scheduler
 
 
 @dataclass
-class _Row:
+class Row:
     request_id: str
     token_ids: list[int]
     num_computed: int
@@ -25,16 +25,16 @@ def next_token(token_ids: list[int]) -> int:
 @dataclass
 class FakeRunner:
     block_size: int
-    rows: dict[int, _Row] = field(default_factory=dict)
+    rows: dict[int, Row] = field(default_factory=dict)
     forced_tokens: dict[str, list[int]] = field(default_factory=dict)  # scripted outputs
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for handle in out.finished_handles + out.preempted_handles:
             del self.rows[handle]
-        batch: list[tuple[_Row, int]] = []
+        batch: list[tuple[Row, int]] = []
         for new in out.new_requests:
             assert new.handle not in self.rows, "handle reused before it was released"
-            row = _Row(new.request_id, new.prompt_token_ids + new.output_token_ids,
+            row = Row(new.request_id, new.prompt_token_ids + new.output_token_ids,
                        new.num_computed_tokens, list(new.block_ids), len(new.prompt_token_ids))
             self.rows[new.handle] = row
             batch.append((row, new.num_scheduled_tokens))
@@ -54,7 +54,7 @@ class FakeRunner:
                 row.token_ids.append(token)
         return ModelRunnerOutput(step=out.step, sampled_token_ids=pack_tokens(sampled))
 
-    def _sample(self, row: _Row) -> int:
+    def _sample(self, row: Row) -> int:
         script = self.forced_tokens.get(row.request_id)
         num_output = len(row.token_ids) - row.num_prompt
         if script and num_output < len(script):
