@@ -44,6 +44,8 @@ class OffloadStats:
     hit_tokens: int = 0  # of those, tokens found in the CPU tier
     blocks_stored: int = 0  # offload blocks whose store completed
     blocks_loaded: int = 0  # offload blocks whose load completed
+    bytes_moved: int = 0  # by the workers, all ranks together
+    transfer_seconds: float = 0.0
 
 
 @dataclass(eq=False)
@@ -177,6 +179,8 @@ class OffloadingConnectorScheduler(SchedulerConnector):
     def update_connector_output(self, output: KVConnectorOutput) -> tuple[list[str], list[str]]:
         loaded: list[str] = []
         released: list[str] = []
+        self.stats.bytes_moved += output.bytes_moved
+        self.stats.transfer_seconds += output.transfer_seconds
         for transfer_id in output.finished_recving:
             transfer = self._transfers.pop(transfer_id)
             self.tier.complete_load(transfer.hashes)
@@ -213,6 +217,17 @@ class OffloadingConnectorScheduler(SchedulerConnector):
             return None
         state.hold_key = f"cpu-offload-hold-{next(self._ids)}"
         return state.hold_key
+
+    def scheduler_stats(self) -> dict[str, int | float]:
+        return {
+            "offload_queried_tokens": self.stats.queried_tokens,
+            "offload_hit_tokens": self.stats.hit_tokens,
+            "offload_blocks_stored": self.stats.blocks_stored,
+            "offload_blocks_loaded": self.stats.blocks_loaded,
+            "offload_bytes_moved": self.stats.bytes_moved,
+            "offload_transfer_seconds": self.stats.transfer_seconds,
+            "offload_cpu_usage": self.tier.usage,
+        }
 
     def take_events(self) -> list[OffloadEvent]:
         return self.tier.take_events()

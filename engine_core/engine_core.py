@@ -17,10 +17,11 @@ from engine_core.scheduler import Scheduler, SchedulerConfig
 
 
 class Executor(Protocol):
-    """Runs steps on the workers. ``num_blocks`` is the KV-cache size the workers allocated;
-    ``vocab_size`` bounds valid token ids."""
+    """Runs steps on the workers. ``num_blocks`` is the KV-cache size the workers allocated,
+    ``num_cpu_blocks`` their CPU offload tier's (0 = none); ``vocab_size`` bounds token ids."""
 
     num_blocks: int
+    num_cpu_blocks: int
     vocab_size: int
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...

@@ -46,3 +46,7 @@ class SchedulerConnector:
 
     def take_events(self) -> list[object]:
         return []
+
+    def scheduler_stats(self) -> dict[str, int | float]:
+        """The connector's share of ``SchedulerStats`` (its ``offload_*`` fields)."""
+        return {}

@@ -78,8 +78,13 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_hits: int
     num_preemptions: int
     prompt_tokens_computed: int  # tokens prefilled by the model (cache hits excluded)
-    offload_queries: int = 0
-    offload_hits: int = 0
+    offload_queried_tokens: int = 0
+    offload_hit_tokens: int = 0
+    offload_blocks_stored: int = 0
+    offload_blocks_loaded: int = 0
+    offload_bytes_moved: int = 0
+    offload_transfer_seconds: float = 0.0
+    offload_cpu_usage: float = 0.0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="out"):
@@ -149,8 +154,12 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag="step"):
 
 
 class KVConnectorOutput(msgspec.Struct, array_like=True):
+    """Transfer ids whose copies completed, and the copying done since the last report."""
+
     finished_sending: list[str] = []
     finished_recving: list[str] = []
+    bytes_moved: int = 0
+    transfer_seconds: float = 0.0
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, tag="out"):
@@ -186,6 +195,7 @@ class UtilityResponse(msgspec.Struct, array_like=True, tag="reply"):
 class EngineReady(msgspec.Struct, array_like=True, tag="ready"):
     num_blocks: int
     vocab_size: int
+    num_cpu_blocks: int = 0
 
 
 class EngineDead(msgspec.Struct, array_like=True, tag="dead"):
@@ -198,6 +208,7 @@ class WorkerReady(msgspec.Struct, array_like=True, tag="ready"):
     rank: int
     num_blocks: int
     vocab_size: int
+    num_cpu_blocks: int = 0  # offload blocks this rank's CPU pool holds
 
 
 class WorkerFailed(msgspec.Struct, array_like=True, tag="failed"):

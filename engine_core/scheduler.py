@@ -455,6 +455,7 @@ class Scheduler:
             prefix_cache_hits=prefix.hit_tokens,
             num_preemptions=self.num_preemptions,
             prompt_tokens_computed=self.prompt_tokens_computed,
+            **self.connector.scheduler_stats(),
         )
 
     def check_invariants(self) -> None:

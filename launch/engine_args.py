@@ -6,10 +6,22 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine_core.kv_connector import SchedulerConnector
 from engine_core.scheduler import SchedulerConfig
 from worker.config import WorkerConfig
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+RAY_PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """Where the Ray executor runs its ranks. ``address=None``: ``$RAY_ADDRESS``, else a private
+    local cluster. The placement group must be ready within ``placement_timeout_s``."""
+
+    address: str | None = None
+    placement_strategy: str = "PACK"
+    placement_timeout_s: float = 60.0
 
 
 @dataclass
@@ -31,6 +43,12 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
     worker_timeout_s: float = 60.0
+    kv_offload_cpu_bytes: int | None = None
+    kv_offload_policy: str = "lru"
+    kv_offload_block_size: int | None = None
+    ray_address: str | None = None
+    ray_placement_strategy: str = "PACK"
+    ray_placement_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.executor not in ("uni", "mp", "ray"):
@@ -39,6 +57,13 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.executor == "uni" and self.tensor_parallel_size != 1:
             raise ValueError("the uni executor runs one rank: use --executor mp for tensor parallelism")
+        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"ray_placement_strategy must be one of {', '.join(RAY_PLACEMENT_STRATEGIES)}, "
+                f"got {self.ray_placement_strategy!r}"
+            )
+        if self.ray_placement_timeout_s <= 0:
+            raise ValueError(f"ray_placement_timeout_s must be > 0, got {self.ray_placement_timeout_s}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +83,12 @@ class EngineArgs:
         add("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         add("--attention-backend", default=None, choices=["torch", "triton"])
         add("--worker-timeout-s", type=float, default=60.0, help="a worker silent this long is declared hung")
+        add("--kv-offload-cpu-bytes", type=int, default=None, help="CPU KV tier size, total over TP ranks (off by default)")
+        add("--kv-offload-policy", default="lru", choices=["lru", "arc"], help="CPU tier eviction policy")
+        add("--kv-offload-block-size", type=int, default=None, help="tokens per CPU block (a multiple of --block-size)")
+        add("--ray-address", default=None, help="ray: head host:port (default $RAY_ADDRESS, else a local cluster)")
+        add("--ray-placement-strategy", default="PACK", choices=RAY_PLACEMENT_STRATEGIES, help="ray: rank layout")
+        add("--ray-placement-timeout-s", type=float, default=60.0, help="ray: fail if the ranks are not placed by then")
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -70,6 +101,18 @@ class ResolvedConfig:
     model_path: Path
     scheduler: SchedulerConfig
     worker: WorkerConfig
+    ray: RayConfig | None = None  # for --executor ray only
+    kv_offload_policy: str = "lru"
+
+    def make_connector(self, num_cpu_blocks: int) -> SchedulerConnector | None:
+        """The scheduler side of the CPU offload tier, if the workers made one."""
+        if not num_cpu_blocks:
+            return None
+        from connector.offloading_scheduler import OffloadingConnectorScheduler
+
+        block_size = self.scheduler.block_size
+        offload_block_size = self.worker.kv_offload_block_size or block_size
+        return OffloadingConnectorScheduler(block_size, offload_block_size, num_cpu_blocks, self.kv_offload_policy)
 
 
 def resolve(args: EngineArgs) -> ResolvedConfig:
@@ -105,8 +148,13 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
         kv_cache_memory=args.kv_cache_memory,
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,
+        kv_offload_cpu_bytes=args.kv_offload_cpu_bytes,
+        kv_offload_block_size=args.kv_offload_block_size,
     )
-    return ResolvedConfig(path, scheduler, worker)
+    ray_config = None
+    if args.executor == "ray":
+        ray_config = RayConfig(args.ray_address, args.ray_placement_strategy, args.ray_placement_timeout_s)
+    return ResolvedConfig(path, scheduler, worker, ray_config, args.kv_offload_policy)
 
 
 def _device(name: str) -> str:

@@ -36,5 +36,6 @@ def start_engine(args: EngineArgs, resolved: ResolvedConfig) -> InprocClient | S
     if args.executor == "uni":
         from launch.uni_executor import UniExecutor
 
-        return InprocClient(EngineCore(resolved.scheduler, UniExecutor(resolved.worker)))
-    return SyncCoreClient(resolved.scheduler, resolved.worker, args.executor, args.worker_timeout_s)
+        executor = UniExecutor(resolved.worker)
+        return InprocClient(EngineCore(resolved.scheduler, executor, resolved.make_connector(executor.num_cpu_blocks)))
+    return SyncCoreClient(resolved.scheduler, resolved.worker, args.executor, args.worker_timeout_s, resolved.ray)

@@ -14,6 +14,7 @@ class UniExecutor:
         self.runner = ModelRunner(config, TensorParallel(rank=0, size=1))
         self.num_blocks = self.runner.num_blocks
         self.vocab_size = self.runner.model.vocab_size
+        self.num_cpu_blocks = self.runner.num_cpu_blocks
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
@@ -22,4 +23,4 @@ class UniExecutor:
         return {}
 
     def shutdown(self) -> None:
-        pass
+        self.runner.shutdown()

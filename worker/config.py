@@ -18,6 +18,8 @@ class WorkerConfig(msgspec.Struct):
     num_gpu_blocks: int | None = None
     kv_cache_memory: int | None = None
     attention_backend: str | None = None
+    kv_offload_cpu_bytes: int | None = None  # CPU tier, total over all ranks
+    kv_offload_block_size: int | None = None  # tokens per CPU block, a multiple of block_size
     tensor_parallel_size: int = 1
     rank: int = 0
     distributed_init_method: str = ""

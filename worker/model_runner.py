@@ -7,7 +7,8 @@ import os
 import numpy as np
 import torch
 
-from engine_core.protocol import ModelRunnerOutput, SchedulerOutput, pack_tokens
+from connector.offloading_worker import OffloadingConnectorWorker
+from engine_core.protocol import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput, pack_tokens
 from worker.attention import AttentionMetadata, get_attention_backend
 from worker.config import WorkerConfig
 from worker.input_batch import InputBatch, StepInputs
@@ -41,6 +42,27 @@ class ModelRunner:
         ]
         # Handles go up to twice max_num_seqs (finished handles are reserved for a step).
         self.batch = InputBatch(2 * config.max_num_seqs, config.max_model_len, self.block_size)
+        self.num_cpu_blocks = self._num_cpu_blocks()
+        self.offload = None
+        if self.num_cpu_blocks:
+            factor = (config.kv_offload_block_size or self.block_size) // self.block_size
+            self.offload = OffloadingConnectorWorker(self.kv_caches, self.num_cpu_blocks * factor)
+
+    def _num_cpu_blocks(self) -> int:
+        """Offload blocks in this rank's share of the CPU tier (the engine uses the smallest)."""
+        total = self.config.kv_offload_cpu_bytes
+        if not total:
+            return 0
+        offload_block_size = self.config.kv_offload_block_size or self.block_size
+        if offload_block_size % self.block_size:
+            raise ValueError(
+                f"kv_offload_block_size ({offload_block_size}) must be a multiple of block_size ({self.block_size})"
+            )
+        per_block = self.bytes_per_block() * (offload_block_size // self.block_size)
+        num_blocks = total // self.tp.size // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_offload_cpu_bytes={total} holds no offload block of {per_block} bytes per rank")
+        return num_blocks
 
     def bytes_per_block(self) -> int:
         element = torch.empty((), dtype=self.cache_dtype).element_size()
@@ -64,8 +86,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         rows, num_scheduled = self._update_batch(step)
+        if self.offload is not None:
+            self.offload.start_transfers(step.kv_connector_metadata)
         if len(rows) == 0:
-            return ModelRunnerOutput(step=step.step, rank=self.tp.rank)
+            return ModelRunnerOutput(step=step.step, rank=self.tp.rank, kv_connector_output=self._finished_transfers())
         inputs = self.batch.prepare(rows, num_scheduled)
         hidden = self.model(
             self._to_device(inputs.token_ids),
@@ -79,8 +103,19 @@ class ModelRunner:
         sampled = tokens.cpu().numpy()
         self.batch.advance(rows, num_scheduled, sampled)
         return ModelRunnerOutput(
-            step=step.step, rank=self.tp.rank, sampled_token_ids=pack_tokens(sampled.tolist()), logprobs=logprobs
+            step=step.step,
+            rank=self.tp.rank,
+            sampled_token_ids=pack_tokens(sampled.tolist()),
+            logprobs=logprobs,
+            kv_connector_output=self._finished_transfers(),
         )
+
+    def _finished_transfers(self) -> KVConnectorOutput | None:
+        return None if self.offload is None else self.offload.get_finished()
+
+    def shutdown(self) -> None:
+        if self.offload is not None:
+            self.offload.shutdown()
 
     def _update_batch(self, step: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:
         """Apply the step's diff; return the scheduled rows and their token counts, in batch order."""

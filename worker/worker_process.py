@@ -38,8 +38,12 @@ def serve(config: WorkerProcessConfig) -> None:
             rank, config.worker.tensor_parallel_size, config.worker.distributed_init_method
         )
         runner = ModelRunner(config.worker, tp)
-        results.send(encoder.encode(WorkerReady(rank, runner.num_blocks, runner.model.vocab_size)))
-        _run_steps(runner, steps, results, encoder, rank)
+        ready = WorkerReady(rank, runner.num_blocks, runner.model.vocab_size, runner.num_cpu_blocks)
+        results.send(encoder.encode(ready))
+        try:
+            _run_steps(runner, steps, results, encoder, rank)
+        finally:
+            runner.shutdown()
     except Exception:
         logger.exception("rank %d failed", rank)
         results.send(encoder.encode(WorkerFailed(rank, traceback.format_exc(limit=5))))
