@@ -16,9 +16,9 @@ def default_model_path() -> Path:
     return resolve_model_path(None)
 
 
-def save_tiny_model_with_tokenizer(kind: str, path: Path, default_model_path: Path):
+def save_tiny_model_with_tokenizer(kind: str, path: Path, default_model_path: Path, **overrides):
     """A tiny random checkpoint plus the default model's tokenizer, so ``LLM`` can load it."""
-    config = tiny_llama_config() if kind == "llama" else tiny_qwen2_config()
+    config = tiny_llama_config(**overrides) if kind == "llama" else tiny_qwen2_config()
     model = save_tiny_model(config, path)
     AutoTokenizer.from_pretrained(default_model_path).save_pretrained(path)
     return model
