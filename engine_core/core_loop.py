@@ -30,6 +30,7 @@ from engine_core.protocol import (
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+IDLE_WAKE_S = 0.2
 
 
 class ExecutorFailed(RuntimeError):
@@ -45,6 +46,7 @@ class EngineCoreLoop:
         # Bound before the loop starts, so the frontend can connect as soon as it hears "ready".
         self._input_socket = make_socket(self.context, zmq.PULL, input_endpoint, bind=True)
         self._output_socket = make_socket(self.context, zmq.PUSH, output_endpoint, bind=True)
+        self._stopping = threading.Event()
         self._threads = [
             threading.Thread(target=self._receive, name="core-input", daemon=True),
             threading.Thread(target=self._send, name="core-output", daemon=True),
@@ -75,11 +77,21 @@ class EngineCoreLoop:
     def _loop(self) -> None:
         while True:
             if not self.core.has_work():
-                self._handle(self.inputs.get())  # idle: block, do not spin
+                self._wait_for_input()
             while not self.inputs.empty():
                 self._handle(self.inputs.get_nowait())
             if self.core.has_work():
                 self.outputs.put(self.core.step())
+
+    def _wait_for_input(self) -> None:
+        """Idle: block instead of spinning, but wake now and then so that a signal handler (run
+        only by the main thread between bytecodes) is never starved by a wait in C."""
+        while True:
+            try:
+                self._handle(self.inputs.get(timeout=IDLE_WAKE_S))
+                return
+            except queue.Empty:
+                continue
 
     def _handle(self, message: object) -> None:
         if isinstance(message, EngineCoreRequest):
@@ -121,11 +133,11 @@ class EngineCoreLoop:
 
     def _receive(self) -> None:
         decoder = msgspec.msgpack.Decoder(FrontendMessage)
-        while True:
-            try:
-                frame = self._input_socket.recv()
-            except zmq.ZMQError:
-                return
+        while not self._stopping.is_set():
+            # Poll with a timeout, so this thread sees close() and exits before its socket closes.
+            if not self._input_socket.poll(IDLE_WAKE_S * 1000):
+                continue
+            frame = self._input_socket.recv()
             try:
                 self.inputs.put(decoder.decode(frame))
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
@@ -140,5 +152,10 @@ class EngineCoreLoop:
             self._output_socket.send(encoder.encode(message), copy=False)
 
     def close(self) -> None:
-        self.context.destroy(linger=500)  # let a last EngineDead reach the frontend
+        self._stopping.set()
+        if self._threads[0].is_alive():
+            self._threads[0].join(timeout=2 * IDLE_WAKE_S)
+        self._input_socket.close(linger=0)
+        self._output_socket.close(linger=500)  # let a last EngineDead reach the frontend
+        self.context.term()
 

@@ -28,7 +28,7 @@ class AsyncEngine:
         self.args = args
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.client = AsyncCoreClient(config.scheduler, config.worker, args.executor, args.worker_timeout_s)
+        self.client = AsyncCoreClient(config)
         self.processor = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_id)
         self._streams: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()

@@ -29,9 +29,8 @@ from engine_core.protocol import (
     UtilityResponse,
     UtilityResult,
 )
-from engine_core.scheduler import SchedulerConfig
+from launch.engine_args import ResolvedConfig
 from launch.engine_process import INPUT_ENDPOINT, OUTPUT_ENDPOINT, EngineProcessConfig
-from worker.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +46,17 @@ class EngineDeadError(RuntimeError):
 class EngineCoreProcess:
     """The child process running the EngineCore, and its private IPC directory."""
 
-    def __init__(self, scheduler: SchedulerConfig, worker: WorkerConfig, executor: str, worker_timeout_s: float) -> None:
+    def __init__(self, config: ResolvedConfig) -> None:
         self.ipc = IpcDir()
         self.input_endpoint = self.ipc.endpoint(INPUT_ENDPOINT)
         self.output_endpoint = self.ipc.endpoint(OUTPUT_ENDPOINT)
-        config = EngineProcessConfig(scheduler, worker, executor, self.ipc.path, worker_timeout_s)
+        process_config = EngineProcessConfig(
+            config.scheduler, config.worker, config.executor, self.ipc.path, config.worker_timeout_s, config.ray,
+            config.kv_offload_policy,
+        )
         self.process = subprocess.Popen([sys.executable, "-m", "launch.engine_process"], stdin=subprocess.PIPE)
         assert self.process.stdin is not None
-        self.process.stdin.write(msgspec.msgpack.encode(config))
+        self.process.stdin.write(msgspec.msgpack.encode(process_config))
         self.process.stdin.close()
 
     @property
@@ -107,8 +109,8 @@ class _Connection:
 
 
 class SyncCoreClient:
-    def __init__(self, scheduler: SchedulerConfig, worker: WorkerConfig, executor: str, worker_timeout_s: float = 60.0) -> None:
-        self.process = EngineCoreProcess(scheduler, worker, executor, worker_timeout_s)
+    def __init__(self, config: ResolvedConfig) -> None:
+        self.process = EngineCoreProcess(config)
         self._conn = _Connection(self.process)
         self.context = zmq.Context()
         self._input = make_socket(self.context, zmq.PUSH, self.process.input_endpoint, bind=False)
@@ -175,8 +177,8 @@ class AsyncCoreClient:
     """The asyncio client. ``start`` waits for the engine; outputs are handed to ``on_output``
     from a background task; ``on_dead`` is called once if the engine dies."""
 
-    def __init__(self, scheduler: SchedulerConfig, worker: WorkerConfig, executor: str, worker_timeout_s: float = 60.0) -> None:
-        self.process = EngineCoreProcess(scheduler, worker, executor, worker_timeout_s)
+    def __init__(self, config: ResolvedConfig) -> None:
+        self.process = EngineCoreProcess(config)
         self._conn = _Connection(self.process)
         self.context = zmq.asyncio.Context()
         self._input = make_socket(self.context, zmq.PUSH, self.process.input_endpoint, bind=False)

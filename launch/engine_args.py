@@ -98,21 +98,30 @@ class EngineArgs:
 
 @dataclass
 class ResolvedConfig:
+    """What a frontend needs to start an engine, derived from ``EngineArgs`` and the model."""
+
     model_path: Path
     scheduler: SchedulerConfig
     worker: WorkerConfig
+    executor: str = "mp"
+    worker_timeout_s: float = 60.0
     ray: RayConfig | None = None  # for --executor ray only
     kv_offload_policy: str = "lru"
 
     def make_connector(self, num_cpu_blocks: int) -> SchedulerConnector | None:
-        """The scheduler side of the CPU offload tier, if the workers made one."""
-        if not num_cpu_blocks:
-            return None
-        from connector.offloading_scheduler import OffloadingConnectorScheduler
+        return make_offload_connector(self.scheduler, self.worker, self.kv_offload_policy, num_cpu_blocks)
 
-        block_size = self.scheduler.block_size
-        offload_block_size = self.worker.kv_offload_block_size or block_size
-        return OffloadingConnectorScheduler(block_size, offload_block_size, num_cpu_blocks, self.kv_offload_policy)
+
+def make_offload_connector(
+    scheduler: SchedulerConfig, worker: WorkerConfig, policy: str, num_cpu_blocks: int
+) -> SchedulerConnector | None:
+    """The scheduler side of the CPU offload tier, if the workers made one (``num_cpu_blocks``)."""
+    if not num_cpu_blocks:
+        return None
+    from connector.offloading_scheduler import OffloadingConnectorScheduler
+
+    offload_block_size = worker.kv_offload_block_size or scheduler.block_size
+    return OffloadingConnectorScheduler(scheduler.block_size, offload_block_size, num_cpu_blocks, policy)
 
 
 def resolve(args: EngineArgs) -> ResolvedConfig:
@@ -154,7 +163,9 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
     ray_config = None
     if args.executor == "ray":
         ray_config = RayConfig(args.ray_address, args.ray_placement_strategy, args.ray_placement_timeout_s)
-    return ResolvedConfig(path, scheduler, worker, ray_config, args.kv_offload_policy)
+    return ResolvedConfig(
+        path, scheduler, worker, args.executor, args.worker_timeout_s, ray_config, args.kv_offload_policy
+    )
 
 
 def _device(name: str) -> str:

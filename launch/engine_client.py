@@ -38,4 +38,4 @@ def start_engine(args: EngineArgs, resolved: ResolvedConfig) -> InprocClient | S
 
         executor = UniExecutor(resolved.worker)
         return InprocClient(EngineCore(resolved.scheduler, executor, resolved.make_connector(executor.num_cpu_blocks)))
-    return SyncCoreClient(resolved.scheduler, resolved.worker, args.executor, args.worker_timeout_s, resolved.ray)
+    return SyncCoreClient(resolved)

@@ -13,6 +13,7 @@ from engine_core.engine_core import EngineCore, Executor
 from engine_core.ipc import IpcDir, die_with_parent
 from engine_core.protocol import EngineReady
 from engine_core.scheduler import SchedulerConfig
+from launch.engine_args import RayConfig, make_offload_connector
 from worker.config import WorkerConfig
 
 logger = logging.getLogger("engine_core")
@@ -27,6 +28,8 @@ class EngineProcessConfig(msgspec.Struct):
     executor: str  # "mp" | "ray"
     ipc_dir: str  # owned by the frontend, which removes it even if this process is killed
     worker_timeout_s: float = 60.0
+    ray: RayConfig | None = None  # executor "ray" only
+    kv_offload_policy: str = "lru"
 
 
 def build_executor(config: EngineProcessConfig) -> Executor:
@@ -34,6 +37,10 @@ def build_executor(config: EngineProcessConfig) -> Executor:
         from launch.mp_executor import MultiprocExecutor
 
         return MultiprocExecutor(config.worker, config.ipc_dir, config.worker_timeout_s)
+    if config.executor == "ray":
+        from launch.ray_executor import RayExecutor
+
+        return RayExecutor(config.worker, config.ray or RayConfig(), config.worker_timeout_s)
     raise ValueError(f"unknown executor {config.executor!r}")
 
 
@@ -55,8 +62,9 @@ def main() -> None:
         except (ExecutorFailed, ValueError, OSError) as error:
             loop.report_startup_failure(f"the executor failed to start: {error}")
             sys.exit(1)
-        core = EngineCore(config.scheduler, executor)
-        loop.serve(core, EngineReady(executor.num_blocks, executor.vocab_size))
+        connector = make_offload_connector(config.scheduler, config.worker, config.kv_offload_policy, executor.num_cpu_blocks)
+        core = EngineCore(config.scheduler, executor, connector)
+        loop.serve(core, EngineReady(executor.num_blocks, executor.vocab_size, executor.num_cpu_blocks))
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
         if executor is not None:

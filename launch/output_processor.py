@@ -67,7 +67,8 @@ class OutputProcessor:
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             child_params = params
             if params.n > 1:
-                seed = None if params.seed is None else params.seed + index
+                # Wrapped into int64: the workers keep seeds in int64 arrays.
+                seed = None if params.seed is None else (params.seed + index + 2**63) % 2**64 - 2**63
                 child_params = msgspec.structs.replace(params, n=1, seed=seed)
             completion.logprobs = [] if params.logprobs is not None else None
             detokenizer = IncrementalDetokenizer(

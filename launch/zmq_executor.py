@@ -1,0 +1,195 @@
+"""What every executor whose ranks live outside the EngineCore shares: the ZeroMQ data path.
+
+Each step's ``SchedulerOutput`` is encoded once and pushed to every rank; every rank answers on
+one results socket. A transfer counts as finished only when all ranks reported it. A rank that
+dies, fails or stops answering makes ``execute`` raise ``ExecutorFailed`` naming it.
+
+Subclasses start the ranks (local processes, Ray actors) and say how to tell that one is gone.
+"""
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from engine_core.core_loop import ExecutorFailed
+from engine_core.ipc import make_socket
+from engine_core.protocol import (
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    Shutdown,
+    WorkerFailed,
+    WorkerMessage,
+    WorkerReady,
+)
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 50
+SHUTDOWN_GRACE_S = 3.0
+DIAGNOSIS_GRACE_S = 1.0
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """A rank whose worker is gone. ``killed``: ended from outside (a signal, a killed actor, a
+    lost node) rather than by its own failure; ``cause`` says how, e.g. "killed by signal 9"."""
+
+    rank: int
+    killed: bool
+    cause: str
+
+
+class TransferTally:
+    """Counts each rank's transfer completions across steps: ranks may finish a transfer in
+    different steps, and it is finished only once all of them have."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._sending: Counter[str] = Counter()
+        self._receiving: Counter[str] = Counter()
+
+    def merge(self, reports: Iterable[KVConnectorOutput | None]) -> KVConnectorOutput | None:
+        """One step's reports, one per rank, into the transfers now finished everywhere."""
+        moved, seconds = 0, 0.0
+        for report in reports:
+            if report is not None:
+                self._sending.update(report.finished_sending)
+                self._receiving.update(report.finished_recving)
+                moved += report.bytes_moved
+                seconds += report.transfer_seconds
+        done_sending = self._take_complete(self._sending)
+        done_receiving = self._take_complete(self._receiving)
+        if not (done_sending or done_receiving or moved):
+            return None
+        return KVConnectorOutput(done_sending, done_receiving, moved, seconds)
+
+    def _take_complete(self, counts: Counter[str]) -> list[str]:
+        done = [key for key, count in counts.items() if count == self.size]
+        for key in done:
+            del counts[key]
+        return done
+
+
+class ZmqExecutor(ABC):
+    """Sends steps to ``size`` ranks and gathers their answers over ZeroMQ (msgspec frames only).
+
+    ``bind_address(name)`` gives the address to bind the socket ``name`` ("results",
+    "steps-<rank>") on; the bound endpoints, the ones workers connect to, are
+    ``results_endpoint`` and ``step_endpoints``. A subclass starts its workers, then calls
+    ``_await_ready``.
+    """
+
+    def __init__(self, size: int, worker_timeout_s: float, bind_address: Callable[[str], str]) -> None:
+        self.size = size
+        self.worker_timeout_s = worker_timeout_s
+        self.num_blocks = 0
+        self.num_cpu_blocks = 0
+        self.vocab_size = 0
+        self.context = zmq.Context()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(WorkerMessage)
+        self._results = make_socket(self.context, zmq.PULL, bind_address("results"), bind=True)
+        self._steps = [
+            make_socket(self.context, zmq.PUSH, bind_address(f"steps-{rank}"), bind=True) for rank in range(size)
+        ]
+        # Read back, as a wildcard TCP port ("tcp://host:*") is only known once bound.
+        self.results_endpoint = self._results.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.step_endpoints = [sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in self._steps]
+        self._transfers = TransferTally(size)
+        self._ipc_seconds = 0.0  # encode + send + receive + decode, summed over steps
+        self._receive_seconds = 0.0  # of the step in progress
+        self._num_steps = 0
+
+    @abstractmethod
+    def _exited_ranks(self) -> list[RankExit]:
+        """The ranks whose worker is gone; cheap, as it runs whenever the results socket is quiet."""
+
+    @abstractmethod
+    def _stop_workers(self, grace_s: float) -> None:
+        """The workers were told to shut down: wait up to ``grace_s`` for them, then force them."""
+
+    def _await_ready(self, timeout_s: float) -> None:
+        ready: dict[int, WorkerReady] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(ready) < self.size:
+            message = self._receive(deadline, waiting_for=set(range(self.size)) - set(ready), what="start-up")
+            if isinstance(message, WorkerReady):
+                ready[message.rank] = message
+        self.num_blocks = min(r.num_blocks for r in ready.values())
+        self.num_cpu_blocks = min(r.num_cpu_blocks for r in ready.values())
+        self.vocab_size = ready[0].vocab_size
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        started = time.perf_counter()
+        frame = self._encoder.encode(scheduler_output)
+        for sock in self._steps:
+            sock.send(frame, copy=False)
+        ipc_seconds = time.perf_counter() - started
+        outputs: dict[int, ModelRunnerOutput] = {}
+        deadline = time.monotonic() + self.worker_timeout_s
+        while len(outputs) < self.size:
+            message = self._receive(deadline, set(range(self.size)) - set(outputs), f"step {scheduler_output.step}")
+            if isinstance(message, ModelRunnerOutput) and message.step == scheduler_output.step:
+                outputs[message.rank] = message
+        self._ipc_seconds += ipc_seconds + self._receive_seconds
+        self._receive_seconds = 0.0
+        self._num_steps += 1
+        first = outputs[0]
+        first.kv_connector_output = self._transfers.merge(o.kv_connector_output for o in outputs.values())
+        return first
+
+    def _receive(self, deadline: float, waiting_for: set[int], what: str) -> WorkerMessage:
+        """The next worker message; raises ExecutorFailed on a failed, dead or silent rank."""
+        while True:
+            if self._results.poll(POLL_MS):
+                started = time.perf_counter()
+                try:
+                    message = self._decoder.decode(self._results.recv())
+                except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                    logger.warning("dropped a malformed worker frame: %s", error)
+                    continue
+                self._receive_seconds += time.perf_counter() - started
+                if isinstance(message, WorkerFailed):
+                    raise ExecutorFailed(self._diagnose(message, what))
+                return message
+            if self._exited_ranks():
+                raise ExecutorFailed(self._diagnose(None, what))
+            if time.monotonic() > deadline:
+                raise ExecutorFailed(
+                    f"worker rank(s) {sorted(waiting_for)} did not answer {what} within {self.worker_timeout_s:.0f} s"
+                )
+
+    def _diagnose(self, failure: WorkerFailed | None, what: str) -> str:
+        """Name the root cause. A rank killed from outside makes its peers fail in their
+        collectives a moment later, so look for a killed rank before blaming a reporter."""
+        deadline = time.monotonic() + DIAGNOSIS_GRACE_S
+        while time.monotonic() < deadline:
+            killed = next((gone for gone in self._exited_ranks() if gone.killed), None)
+            if killed is not None:
+                return f"worker rank {killed.rank} died ({killed.cause}) during {what}"
+            time.sleep(0.05)
+        if failure is not None:
+            return f"worker rank {failure.rank} failed during {what}: {failure.message.strip().splitlines()[-1]}"
+        gone = self._exited_ranks()[0]
+        return f"worker rank {gone.rank} died ({gone.cause}) during {what}"
+
+    def stats(self) -> dict[str, float]:
+        return {"ipc_us_per_step": self._ipc_seconds / self._num_steps * 1e6 if self._num_steps else 0.0}
+
+    def shutdown(self) -> None:
+        """Tell every worker to stop, stop them (politely, then by force), close the sockets."""
+        shutdown = self._encoder.encode(Shutdown())
+        for sock in self._steps:
+            try:
+                sock.send(shutdown, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._stop_workers(SHUTDOWN_GRACE_S)
+        self.context.destroy(linger=0)
