@@ -50,6 +50,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=-(2**63))
+            if self.seed >= 2**63:
+                raise ValueError(f"seed must fit in 64 signed bits, got {self.seed}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
         for name in ("presence_penalty", "frequency_penalty"):

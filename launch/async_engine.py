@@ -115,4 +115,6 @@ class AsyncEngine:
         task.add_done_callback(self._background.discard)
 
     def shutdown(self) -> None:
+        for task in self._background:  # aborts not sent yet would hit closed sockets
+            task.cancel()
         self.client.shutdown()

@@ -20,12 +20,12 @@ from launch.llm import LLM
 
 @dataclass
 class OffloadWorkload:
-    conversations: int = 8
+    conversations: int = 6
     turns: int = 4
-    document_len: int = 1024  # tokens of the document that opens each conversation
+    document_len: int = 768  # tokens of the document that opens each conversation
     question_len: int = 24
-    output_len: int = 32
-    gpu_blocks: int = 160  # the GPU pool: room for about two conversations
+    output_len: int = 16
+    gpu_blocks: int = 120  # the GPU pool: room for about two conversations
     cpu_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:

@@ -1,10 +1,122 @@
-"""The ``strata`` command line: ``generate``, ``serve``, ``bench``."""
+"""The ``strata`` command line: ``generate``, ``serve``, ``bench``.
+
+An argparse layer only: each handler turns its flags into the typed objects the command's
+module takes. A flag value those objects reject is a usage error: one line, exit status 2.
+"""
 
 import argparse
+import dataclasses
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NoReturn
 
-from launch import bench_scheduler
+from engine_core.sampling_params import SamplingParams
+from launch import bench_offload, bench_scheduler, bench_serve, bench_throughput, generate, ray_launcher, server
+from launch.engine_args import EngineArgs
+from launch.llm import LLM
+from launch.server_app import DEFAULT_MAX_REQUEST_BYTES, AppOptions
+
+USAGE_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line: the full usage of a command with every engine flag fills a screen."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+@contextmanager
+def _usage_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
+    """Report a ``ValueError`` (a flag value rejected past argparse) as a usage error."""
+    try:
+        yield
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def _start_llm(args: argparse.Namespace) -> LLM:
+    return LLM(**dataclasses.asdict(EngineArgs.from_cli(args)))
+
+
+def _generate(args: argparse.Namespace) -> None:
+    with _usage_errors(args.parser):
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        )
+        llm = _start_llm(args)
+    with llm:
+        generate.run(llm, args.prompt, params, chat=args.chat, as_json=args.json, progress=not args.no_progress)
+
+
+def _bench_throughput(args: argparse.Namespace) -> None:
+    with _usage_errors(args.parser):
+        workload = bench_throughput.Workload(
+            num_prompts=args.num_prompts,
+            input_len_min=args.input_len_min,
+            input_len_max=args.input_len_max,
+            output_len=args.output_len,
+            prefix_len=args.prefix_len,
+            seed=args.seed,
+        )
+        llm = _start_llm(args)
+    with llm:
+        result = bench_throughput.run(llm, workload, args.baseline)
+    print(json.dumps(result) if args.json else bench_throughput.format_result(result))
+
+
+def _serve(args: argparse.Namespace) -> None:
+    with _usage_errors(args.parser):
+        app = AppOptions(
+            served_model_name=args.served_model_name,
+            api_key=args.api_key,
+            max_request_bytes=args.max_request_bytes,
+            enable_debug_endpoints=args.enable_debug_endpoints,
+        )
+        options = server.ServeOptions(args.host, args.port, args.shutdown_timeout, app)
+        engine_args = EngineArgs.from_cli(args)
+        # The engine validates the rest (model, executor) as it starts.
+        server.run(options, engine_args)
+
+
+def _bench_serve(args: argparse.Namespace) -> None:
+    with _usage_errors(args.parser):
+        load = bench_serve.Load(
+            url=args.url,
+            num_prompts=args.num_prompts,
+            request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+        )
+    result = bench_serve.run(load)
+    print(json.dumps(result) if args.json else bench_serve.format_result(result))
+
+
+def _bench_offload(args: argparse.Namespace) -> None:
+    with _usage_errors(args.parser):
+        engine_args = EngineArgs.from_cli(args)
+        workload = bench_offload.OffloadWorkload(
+            conversations=args.conversations,
+            turns=args.turns,
+            document_len=args.document_len,
+            question_len=args.question_len,
+            output_len=args.output_len,
+            gpu_blocks=args.gpu_blocks,
+            cpu_bytes=args.cpu_bytes,
+        )
+    result = bench_offload.run(engine_args, workload)
+    if args.json:
+        print(json.dumps(result))
+        return
+    for name in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "prefill_tokens", "offload_hit_rate", "output_tokens_per_s"):
+        print(f"{name:22} off {result[name + '_off']:>12.4g}   on {result[name + '_on']:>12.4g}")
+    print(
+        f"TTFT {result['ttft_ratio']:.2f}x better, {result['prefill_ratio']:.2f}x fewer prefill tokens, "
+        f"{result['throughput_ratio']:.2f}x output tokens/s with offload; same outputs: {result['same_outputs']}"
+    )
 
 
 def _bench_scheduler(args: argparse.Namespace) -> None:
@@ -19,10 +131,72 @@ def _bench_scheduler(args: argparse.Namespace) -> None:
         )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata", description="A distributed LLM serving engine.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def _add_generate(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "generate",
+        help="complete prompts offline",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1, help="-1 disables top-k")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--chat", action="store_true", help="send each prompt as a user message via the chat template")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt and line")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_generate, parser=parser)
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "serve", help="OpenAI-compatible HTTP server", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="bigger: 413")
+    parser.add_argument("--served-model-name", default=None, help="the model's name in the API (unset: its dir's)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on stop")
+    parser.add_argument("--enable-debug-endpoints", action="store_true", help="serve GET /debug/state (engine state)")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_serve, parser=parser)
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+
+    throughput = bench.add_parser(
+        "throughput",
+        help="offline generation throughput on a synthetic workload",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    throughput.add_argument("--num-prompts", type=int, default=64)
+    throughput.add_argument("--input-len-min", type=int, default=32, help="tokens per prompt after the prefix")
+    throughput.add_argument("--input-len-max", type=int, default=512)
+    throughput.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (EOS ignored)")
+    throughput.add_argument("--prefix-len", type=int, default=0, help="tokens of prefix shared by every prompt")
+    throughput.add_argument("--baseline", choices=["hf"], default=None, help="also time HF transformers generate")
+    throughput.add_argument("--seed", type=int, default=0, help="seeds the workload")
+    throughput.add_argument("--json", action="store_true", help="print one JSON object")
+    EngineArgs.add_cli_args(throughput)
+    throughput.set_defaults(handler=_bench_throughput, parser=throughput)
+
+    serve = bench.add_parser(
+        "serve",
+        help="load a running server with streaming completions (loopback only)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve.add_argument("--url", default="http://127.0.0.1:8000", help="the server's root URL")
+    serve.add_argument("--num-prompts", type=int, default=64)
+    serve.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: at once")
+    serve.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (unset: no limit)")
+    serve.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (EOS ignored)")
+    serve.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times")
+    serve.add_argument("--json", action="store_true", help="print one JSON object")
+    serve.set_defaults(handler=_bench_serve, parser=serve)
 
     scheduler = bench.add_parser("scheduler", help="scheduler + KV manager cost per step at steady decode")
     scheduler.add_argument("--num-running", type=int, default=1024)
@@ -30,6 +204,68 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--block-size", type=int, default=16)
     scheduler.add_argument("--json", action="store_true", help="print one JSON object")
     scheduler.set_defaults(handler=_bench_scheduler)
+
+    offload = bench.add_parser("offload", help="multi-turn long-context TTFT with the CPU KV tier off and on")
+    defaults = bench_offload.OffloadWorkload()
+    for name in ("conversations", "turns", "document_len", "question_len", "output_len", "gpu_blocks", "cpu_bytes"):
+        offload.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    offload.add_argument("--json", action="store_true", help="print one JSON object")
+    EngineArgs.add_cli_args(offload)
+    offload.set_defaults(handler=_bench_offload, parser=offload)
+
+
+def _launch_ray(args: argparse.Namespace) -> None:
+    with _usage_errors(args.parser):
+        options = ray_launcher.RayNodeOptions(
+            head=args.head,
+            address=args.address,
+            port=args.port,
+            node_ip_address=args.node_ip_address,
+            num_cpus=args.num_cpus,
+            num_gpus=args.num_gpus,
+            temp_dir=args.temp_dir,
+            dashboard=args.dashboard,
+            block=args.block,
+            disable_auth=args.disable_auth,
+            ray_start_args=args.ray_start_args,
+        )
+    try:
+        sys.exit(ray_launcher.launch(options))
+    except ray_launcher.LaunchError as error:
+        sys.exit(f"{args.parser.prog}: error: {error}")
+
+
+def _add_launch(commands: argparse._SubParsersAction) -> None:
+    launch = commands.add_parser("launch", help="start cluster nodes").add_subparsers(dest="launch", required=True)
+    ray = launch.add_parser(
+        "ray",
+        help="start this machine's Ray node (ray start) for --executor ray",
+        description="Run on the head with --head, on every other node with --address HEAD:PORT. "
+        "Flags after -- go to `ray start` unchanged.",
+    )
+    role = ray.add_mutually_exclusive_group(required=True)
+    role.add_argument("--head", action="store_true", help="start the head node")
+    role.add_argument("--address", default=None, help="join the head at HEAD:PORT")
+    port_help = f"the head's GCS port (default {ray_launcher.DEFAULT_PORT})"
+    ray.add_argument("--port", type=int, default=None, help=port_help)
+    ray.add_argument("--node-ip-address", default=None, help="the address other nodes reach this one at")
+    ray.add_argument("--num-cpus", type=int, default=None, help="CPUs to offer (default: all)")
+    ray.add_argument("--num-gpus", type=int, default=None, help="GPUs to offer (default: all)")
+    ray.add_argument("--temp-dir", default=None, help="Ray's session and log directory")
+    ray.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (on 127.0.0.1)")
+    ray.add_argument("--block", action="store_true", help="stay in the foreground; stop the node on Ctrl-C/SIGTERM")
+    ray.add_argument("--disable-auth", action="store_true", help="no token authentication: only on trusted networks")
+    ray.add_argument("ray_start_args", nargs="*", help="further `ray start` flags, after --")
+    ray.set_defaults(handler=_launch_ray, parser=ray)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="strata", description="A distributed LLM serving engine.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_generate(commands)
+    _add_serve(commands)
+    _add_bench(commands)
+    _add_launch(commands)
     return parser
 
 

@@ -1,0 +1,191 @@
+"""``strata bench serve``: load a running server with streaming completions and time it.
+
+Like ``vllm bench serve``: seeded synthetic prompts go out as streaming ``/v1/completions``
+requests (greedy, EOS ignored, so each yields exactly ``max_tokens`` tokens), all at once or
+at a Poisson request rate, with an optional cap on requests in flight. Reported: throughput
+and the time to first token (TTFT), per output token after the first (TPOT) and end to end.
+Only loopback URLs are accepted: a load generator must not hit another machine by mistake.
+"""
+
+import asyncio
+import ipaddress
+import json
+import math
+import random
+import time
+import urllib.parse
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+_WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven curious engineers measure latency of "
+    "streaming tokens across busy servers under heavy load and quiet nights with coffee rain music "
+    "river mountain garden library window paper orbit signal memory cache block batch queue"
+).split()
+PROMPT_WORDS = (24, 40)  # words per prompt, uniformly drawn
+REQUEST_TIMEOUT_S = 600.0  # a request that takes longer counts as failed
+_MAX_REPORTED_ERRORS = 5
+
+
+@dataclass(frozen=True)
+class Load:
+    """What to send. ``request_rate=inf`` sends every request at once; ``max_concurrency=None``
+    puts no cap on requests in flight."""
+
+    url: str = "http://127.0.0.1:8000"
+    num_prompts: int = 64
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    max_tokens: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_loopback(self.url)
+        if self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass
+class _Sample:
+    """One request's outcome; times in seconds from when it was sent."""
+
+    error: str | None = None
+    ttft: float = 0.0
+    latency: float = 0.0
+    output_tokens: int = 0
+
+
+def make_prompts(num_prompts: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(_WORDS, k=rng.randint(*PROMPT_WORDS))) for _ in range(num_prompts)]
+
+
+def run(load: Load) -> dict:
+    """Send the load and return the figures (see ``format_result``)."""
+    return asyncio.run(_run(load))
+
+
+async def _run(load: Load) -> dict:
+    in_flight = load.max_concurrency or load.num_prompts
+    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
+    arrivals = random.Random(load.seed)
+    async with httpx.AsyncClient(
+        base_url=load.url, limits=limits, timeout=REQUEST_TIMEOUT_S, trust_env=False
+    ) as client:
+        model = await _model_name(client)
+        gate = asyncio.Semaphore(in_flight)
+        started = time.perf_counter()
+        tasks = []
+        for prompt in make_prompts(load.num_prompts, load.seed):
+            tasks.append(asyncio.create_task(_request(client, gate, model, prompt, load.max_tokens)))
+            if math.isfinite(load.request_rate):
+                await asyncio.sleep(arrivals.expovariate(load.request_rate))
+        samples = await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - started
+    return _summarize(load, model, samples, elapsed)
+
+
+async def _model_name(client: httpx.AsyncClient) -> str:
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def _request(
+    client: httpx.AsyncClient, gate: asyncio.Semaphore, model: str, prompt: str, max_tokens: int
+) -> _Sample:
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }
+    async with gate:
+        sample = _Sample()
+        sent = time.perf_counter()
+        try:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    sample.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')}"
+                    return sample
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[len("data: "):])
+                    if "error" in event:
+                        sample.error = event["error"]["message"]
+                        return sample
+                    if event["choices"] and not sample.ttft:
+                        sample.ttft = time.perf_counter() - sent
+                    if event.get("usage"):
+                        sample.output_tokens = event["usage"]["completion_tokens"]
+        except httpx.HTTPError as error:
+            sample.error = f"{type(error).__name__}: {error}"
+            return sample
+        sample.latency = time.perf_counter() - sent
+        if not sample.output_tokens:
+            sample.error = "the stream ended without a usage chunk"
+        return sample
+
+
+def _summarize(load: Load, model: str, samples: list[_Sample], elapsed: float) -> dict:
+    done = [sample for sample in samples if sample.error is None]
+    output_tokens = sum(sample.output_tokens for sample in done)
+    result = {
+        "url": load.url,
+        "model": model,
+        "num_prompts": load.num_prompts,
+        "request_rate": load.request_rate if math.isfinite(load.request_rate) else "inf",
+        "max_concurrency": load.max_concurrency,
+        "max_tokens": load.max_tokens,
+        "completed": len(done),
+        "failed": len(samples) - len(done),
+        "errors": [sample.error for sample in samples if sample.error is not None][:_MAX_REPORTED_ERRORS],
+        "duration_s": elapsed,
+        "requests_per_s": len(done) / elapsed,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / elapsed,
+    }
+    tpots = [(s.latency - s.ttft) / (s.output_tokens - 1) for s in done if s.output_tokens > 1]
+    for name, values in (("ttft", [s.ttft for s in done]), ("tpot", tpots), ("e2e", [s.latency for s in done])):
+        milliseconds = np.asarray(values, dtype=float) * 1000
+        for stat, value in (("mean", np.mean), ("median", np.median), ("p99", lambda v: np.percentile(v, 99))):
+            result[f"{stat}_{name}_ms"] = float(value(milliseconds)) if len(milliseconds) else None
+    return result
+
+
+def format_result(result: dict) -> str:
+    lines = [
+        f"{result['completed']} of {result['num_prompts']} requests completed ({result['failed']} failed) "
+        f"in {result['duration_s']:.2f} s; request rate {result['request_rate']}, "
+        f"max concurrency {result['max_concurrency'] or 'unlimited'}",
+        f"throughput: {result['requests_per_s']:.2f} requests/s, {result['output_tokens_per_s']:.1f} output tokens/s",
+    ]
+    for name in ("ttft", "tpot", "e2e"):
+        if result[f"mean_{name}_ms"] is not None:
+            lines.append(
+                f"{name.upper()} ms: mean {result[f'mean_{name}_ms']:.1f}, median {result[f'median_{name}_ms']:.1f}, "
+                f"p99 {result[f'p99_{name}_ms']:.1f}"
+            )
+    lines += [f"error: {error}" for error in result["errors"]]
+    return "\n".join(lines)
+
+
+def _check_loopback(url: str) -> None:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"url must look like http://127.0.0.1:8000, got {url!r}")
+    if parts.hostname == "localhost":
+        return
+    try:
+        loopback = ipaddress.ip_address(parts.hostname).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(f"url must point at a loopback address (127.0.0.1, ::1, localhost), got {parts.hostname!r}")

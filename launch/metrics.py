@@ -1,0 +1,98 @@
+"""The server's Prometheus metrics (``GET /metrics``), in a registry of its own per server.
+
+Two sources: the server observes every request it finishes (counts by finish reason, token
+counts, latency histograms), and a collector reads the engine's latest ``SchedulerStats`` at
+scrape time (queue sizes, KV-cache usage, prefix-cache hits, preemptions; offload to come).
+"""
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine_core.protocol import SchedulerStats
+from launch.outputs import RequestOutput
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class ServerMetrics:
+    """Everything ``/metrics`` shows. ``observe`` is called once per request, when it ends."""
+
+    def __init__(self, scheduler_stats: Callable[[], SchedulerStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.finished = Counter(
+            "strata_requests_finished",
+            "Completions finished, by finish reason (one per choice: a request with n=2 counts twice; "
+            "'abort' is a client that went away).",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "strata_prompt_tokens", "Prompt tokens of finished requests.", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "strata_generation_tokens", "Tokens generated for finished requests.", registry=self.registry
+        )
+        self.time_to_first_token = Histogram(
+            "strata_time_to_first_token_seconds", "From arrival to the first output token.", buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_per_output_token = Histogram(
+            "strata_time_per_output_token_seconds", "Mean gap between output tokens after the first.",
+            buckets=TPOT_BUCKETS, registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            "strata_e2e_request_latency_seconds", "From arrival to the last output token of a completed request.",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.registry.register(_SchedulerStatsCollector(scheduler_stats))
+
+    def observe(self, output: RequestOutput) -> None:
+        """Count a request that ended (finished, failed or abandoned); time it only if it completed."""
+        for completion in output.outputs:
+            self.finished.labels(completion.finish_reason or "abort").inc()
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(output.metrics.num_generated_tokens)
+        if not all(completion.finish_reason in ("stop", "length") for completion in output.outputs):
+            return
+        metrics = output.metrics
+        if metrics.time_to_first_token is not None:
+            self.time_to_first_token.observe(metrics.time_to_first_token)
+        if metrics.time_per_output_token is not None:
+            self.time_per_output_token.observe(metrics.time_per_output_token)
+        if metrics.last_token_time is not None:
+            self.e2e_latency.observe(metrics.last_token_time - metrics.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _SchedulerStatsCollector(Collector):
+    """The engine's state as of its last step (nothing before the first one)."""
+
+    def __init__(self, scheduler_stats: Callable[[], SchedulerStats | None]) -> None:
+        self._stats = scheduler_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:
+            return
+        yield GaugeMetricFamily("strata_num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield GaugeMetricFamily("strata_num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield GaugeMetricFamily("strata_kv_cache_usage_ratio", "Fraction of KV blocks in use.", stats.kv_cache_usage)
+        yield CounterMetricFamily("strata_num_preemptions", "Requests preempted for KV space.", stats.num_preemptions)
+        yield from _hit_metrics("prefix_cache", "the prefix cache", stats.prefix_cache_queries, stats.prefix_cache_hits)
+        # Offload metrics go here, filled from SchedulerStats.offload_* by the change that adds
+        # those fields: _hit_metrics("offload", "the CPU offload tier", queried tokens, hit
+        # tokens) for the hit rate, and a counter strata_offload_bytes_moved for the traffic.
+
+
+def _hit_metrics(name: str, what: str, queries: int, hits: int) -> Iterator[Metric]:
+    yield CounterMetricFamily(f"strata_{name}_queries", f"Prompt tokens looked up in {what}.", queries)
+    yield CounterMetricFamily(f"strata_{name}_hits", f"Prompt tokens found in {what}.", hits)
+    rate = hits / queries if queries else 0.0
+    yield GaugeMetricFamily(f"strata_{name}_hit_rate", f"Hits / queries of {what}, since start.", rate)

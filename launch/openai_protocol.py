@@ -1,0 +1,220 @@
+"""The OpenAI wire format the server speaks: request and response bodies, and the error body.
+
+Field names and types follow OpenAI's API. Requests are parsed strictly (no coercion of
+``"5"`` to ``5``, unknown fields rejected, no NaN or infinity), so a malformed body is a 400
+that names the field instead of a guess. ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens`` and ``ignore_eos`` are extensions (as in vLLM). Ranges are checked by
+``SamplingParams``; the bounds here are those OpenAI documents or the wire format needs.
+"""
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 128  # OpenAI's limit on completions per request
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+# Token ids travel as int32 to the engine; the engine checks them against the vocabulary.
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class GenerationRequest(_Strict):
+    """The fields completions and chat completions share."""
+
+    model: str
+    n: Annotated[int, Field(le=MAX_N)] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+
+
+class CompletionRequest(GenerationRequest):
+    """``POST /v1/completions``. A prompt is text or token ids; a list holding one prompt
+    is accepted too (batches of several prompts are not supported)."""
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: Annotated[int, Field(le=MAX_LOGPROBS)] | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message of the conversation. Extra fields are ignored, not rejected: clients
+    append the assistant messages they received, which carry fields such as ``refusal``."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    model_config = ConfigDict(strict=True)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(le=MAX_LOGPROBS)] | None = None
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or (streaming) one chunk of it: OpenAI uses the same object for both."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "strata"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error answered with an HTTP status and an OpenAI error body."""
+
+    def __init__(
+        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+
+    @classmethod
+    def model_not_found(cls, model: str) -> "APIError":
+        return cls(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+
+    @classmethod
+    def unavailable(cls, reason: str) -> "APIError":
+        return cls(503, f"the engine is not available: {reason}", "server_error", code="engine_unavailable")

@@ -1,0 +1,192 @@
+"""The HTTP application of ``strata serve``: routes, API-key check, body limits, error bodies.
+
+Every error, whatever raised it, is answered with OpenAI's error body
+``{"error": {"message", "type", "param", "code"}}``. Request bodies are read here, not by
+FastAPI, so that size, encoding, JSON and schema errors each get their own clear 4xx.
+"""
+
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
+from launch.async_engine import AsyncEngine
+from launch.metrics import ServerMetrics
+from launch.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from launch.server_completions import ChatCompletions, Completions, json_response
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+_MAX_REPORTED_ERRORS = 5  # a hostile body can fail validation thousands of times over
+_CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; it never reaches anyone
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class AppOptions:
+    """What the application needs besides the engine. ``served_model_name=None``: see
+    ``default_model_name``."""
+
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    enable_debug_endpoints: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty")
+
+
+def build_app(engine: AsyncEngine, options: AppOptions) -> FastAPI:
+    """The FastAPI application serving ``engine``. ``/health`` and ``/metrics`` stay open;
+    everything under ``/v1`` needs the API key when one is set."""
+    app = FastAPI(title="strata", docs_url=None, redoc_url=None, openapi_url=None)
+    model_name = options.served_model_name or default_model_name(engine)
+    metrics = ServerMetrics(lambda: engine.stats)
+    completions = Completions(engine, model_name, metrics)
+    chat = ChatCompletions(engine, model_name, metrics)
+    model_card = ModelCard(id=model_name, created=int(time.time()), max_model_len=engine.max_model_len)
+
+    def require_api_key(request: Request) -> None:
+        if options.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), options.api_key.encode()):
+            raise APIError(401, "missing or incorrect API key", "authentication_error", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+    @v1.post("/completions")
+    async def create_completion(request: Request) -> Response:
+        body = await read_body(request, CompletionRequest, options.max_request_bytes)
+        return await completions.handle(body, request)
+
+    @v1.post("/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        body = await read_body(request, ChatCompletionRequest, options.max_request_bytes)
+        return await chat.handle(body, request)
+
+    @v1.get("/models")
+    async def list_models() -> Response:
+        return json_response(ModelList(data=[model_card]))
+
+    @v1.get("/models/{model}")
+    async def retrieve_model(model: str) -> Response:
+        if model != model_name:
+            raise APIError.model_not_found(model)
+        return json_response(model_card)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await engine.check_health()
+        except (RuntimeError, TimeoutError) as error:  # EngineDeadError is a RuntimeError
+            raise APIError.unavailable(str(error) or type(error).__name__) from None
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if options.enable_debug_endpoints:
+
+        @app.get("/debug/state")
+        async def debug_state() -> Response:
+            """The EngineCore's scheduler state (for tests and debugging; off by default)."""
+            return JSONResponse(await engine.debug_state())
+
+    _add_error_handlers(app)
+    return app
+
+
+def default_model_name(engine: AsyncEngine) -> str:
+    """The name clients use for the model unless told otherwise: ``--model``'s directory
+    name or GGUF file stem; for the default model, its GGUF file's stem."""
+    if engine.args.model is not None:
+        path = Path(engine.args.model)
+        return path.stem if path.suffix == ".gguf" else path.name
+    # The default model is a GGUF converted into a cache directory named "<stem>-<hash>".
+    return engine.config.model_path.name.rsplit("-", 1)[0]
+
+
+async def read_body(request: Request, model: type[ModelT], limit: int) -> ModelT:
+    """Parse the body as ``model``: 413 over ``limit`` bytes (refused from Content-Length
+    before reading when the client sends one), 400 for invalid UTF-8, JSON or fields."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(limit)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise APIError(400, f"the body is not valid UTF-8: {error}") from None
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as error:
+        raise _invalid(error) from None
+
+
+def _invalid(error: ValidationError) -> APIError:
+    problems = error.errors(include_url=False, include_input=False, include_context=False)
+    if problems[0]["type"] == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {problems[0]['msg']}")
+    described = [
+        f"{'.'.join(map(str, problem['loc']))}: {problem['msg']}" for problem in problems[:_MAX_REPORTED_ERRORS]
+    ]
+    if len(problems) > _MAX_REPORTED_ERRORS:
+        described.append(f"and {len(problems) - _MAX_REPORTED_ERRORS} more")
+    first_field = problems[0]["loc"][0] if problems[0]["loc"] else None
+    return APIError(400, "; ".join(described), param=None if first_field is None else str(first_field))
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> Response:
+        return json_response(error.body, error.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        # Starlette's own errors: unknown path (404), wrong method (405).
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return json_response(ErrorResponse(error=ErrorInfo(message=str(error.detail), type=kind)), error.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, error: ClientDisconnect) -> Response:
+        return Response(status_code=_CLIENT_CLOSED_REQUEST)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> Response:
+        logger.exception("internal error serving %s %s", request.method, request.url.path)
+        body = ErrorResponse(error=ErrorInfo(message=f"internal error: {error!r}", type="server_error"))
+        return json_response(body, 500)
