@@ -2,7 +2,7 @@
 
 Two sources: the server observes every request it finishes (counts by finish reason, token
 counts, latency histograms), and a collector reads the engine's latest ``SchedulerStats`` at
-scrape time (queue sizes, KV-cache usage, prefix-cache hits, preemptions; offload to come).
+scrape time (queue sizes, KV-cache usage, prefix-cache hits, preemptions, the CPU offload tier).
 """
 
 from collections.abc import Callable, Iterator
@@ -86,9 +86,12 @@ class _SchedulerStatsCollector(Collector):
         yield GaugeMetricFamily("strata_kv_cache_usage_ratio", "Fraction of KV blocks in use.", stats.kv_cache_usage)
         yield CounterMetricFamily("strata_num_preemptions", "Requests preempted for KV space.", stats.num_preemptions)
         yield from _hit_metrics("prefix_cache", "the prefix cache", stats.prefix_cache_queries, stats.prefix_cache_hits)
-        # Offload metrics go here, filled from SchedulerStats.offload_* by the change that adds
-        # those fields: _hit_metrics("offload", "the CPU offload tier", queried tokens, hit
-        # tokens) for the hit rate, and a counter strata_offload_bytes_moved for the traffic.
+        yield from _hit_metrics("offload", "the CPU offload tier", stats.offload_queried_tokens, stats.offload_hit_tokens)
+        yield CounterMetricFamily("strata_offload_bytes_moved", "KV bytes copied to and from the CPU tier.", stats.offload_bytes_moved)
+        yield CounterMetricFamily(
+            "strata_offload_transfer_seconds", "Time spent copying KV to and from the CPU tier.", stats.offload_transfer_seconds
+        )
+        yield GaugeMetricFamily("strata_offload_cpu_usage_ratio", "Fraction of CPU-tier blocks in use.", stats.offload_cpu_usage)
 
 
 def _hit_metrics(name: str, what: str, queries: int, hits: int) -> Iterator[Metric]:
