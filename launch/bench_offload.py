@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from engine_core.sampling_params import SamplingParams
-from launch.bench_throughput import CORPUS, _cyclic_slice
+from launch.bench_throughput import CORPUS, cyclic_slice
 from launch.engine_args import EngineArgs
 from launch.llm import LLM
 
@@ -42,17 +42,17 @@ def _run(args: EngineArgs, workload: OffloadWorkload, offload: bool) -> dict[str
     with LLM(**dataclasses.asdict(engine_args)) as llm:
         corpus = llm.tokenizer.encode(CORPUS, add_special_tokens=False)
         histories = [
-            _cyclic_slice(corpus, 997 * c, workload.document_len) for c in range(workload.conversations)
+            cyclic_slice(corpus, 997 * c, workload.document_len) for c in range(workload.conversations)
         ]
         # Warm up on text no conversation uses, so the first timed request pays no one-off costs.
-        llm.generate([_cyclic_slice(corpus, 50_000, 32)], SamplingParams(max_tokens=2), use_tqdm=False)
+        llm.generate([cyclic_slice(corpus, 50_000, 32)], SamplingParams(max_tokens=2), use_tqdm=False)
         ttfts: list[float] = []
         outputs: list[list[int]] = []
         output_tokens = 0
         started = time.perf_counter()
         for turn in range(workload.turns):
             for c in range(workload.conversations):
-                histories[c] = histories[c] + _cyclic_slice(corpus, 31 * (turn * 101 + c), workload.question_len)
+                histories[c] = histories[c] + cyclic_slice(corpus, 31 * (turn * 101 + c), workload.question_len)
             # One request per conversation at a time, in turn: each waits for its history.
             for c in range(workload.conversations):
                 (result,) = llm.generate([histories[c]], params, use_tqdm=False)

@@ -64,6 +64,7 @@ class _Sample:
 
 
 def make_prompts(num_prompts: int, seed: int) -> list[str]:
+    """``num_prompts`` strings of random words from a fixed list; the same for the same seed."""
     rng = random.Random(seed)
     return [" ".join(rng.choices(_WORDS, k=rng.randint(*PROMPT_WORDS))) for _ in range(num_prompts)]
 
@@ -161,6 +162,7 @@ def _summarize(load: Load, model: str, samples: list[_Sample], elapsed: float) -
 
 
 def format_result(result: dict) -> str:
+    """``run``'s figures as a few lines of text."""
     lines = [
         f"{result['completed']} of {result['num_prompts']} requests completed ({result['failed']} failed) "
         f"in {result['duration_s']:.2f} s; request rate {result['request_rate']}, "

@@ -99,15 +99,15 @@ class Workload:
 def synthetic_prompts(corpus: Sequence[int], workload: Workload) -> list[list[int]]:
     """The workload's prompts as token ids, cut from ``corpus`` (read cyclically)."""
     rng = random.Random(workload.seed)
-    prefix = _cyclic_slice(corpus, rng.randrange(len(corpus)), workload.prefix_len)
+    prefix = cyclic_slice(corpus, rng.randrange(len(corpus)), workload.prefix_len)
     starts = rng.sample(range(len(corpus)), len(corpus))
     return [
-        prefix + _cyclic_slice(corpus, starts[i % len(starts)], rng.randint(workload.input_len_min, workload.input_len_max))
+        prefix + cyclic_slice(corpus, starts[i % len(starts)], rng.randint(workload.input_len_min, workload.input_len_max))
         for i in range(workload.num_prompts)
     ]
 
 
-def _cyclic_slice(tokens: Sequence[int], start: int, length: int) -> list[int]:
+def cyclic_slice(tokens: Sequence[int], start: int, length: int) -> list[int]:
     return [tokens[(start + i) % len(tokens)] for i in range(length)]
 
 
@@ -188,7 +188,7 @@ def _time_hf_generate(
         width = max(len(prompt) for prompt in batch)
         input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in batch], device=device)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-        model.generate(
+        sequences = model.generate(
             input_ids,
             attention_mask=attention_mask,
             do_sample=False,
@@ -196,6 +196,8 @@ def _time_hf_generate(
             max_new_tokens=length,
             pad_token_id=pad_token_id,
         )
+        if sequences.shape[1] != width + length:
+            raise RuntimeError(f"HF generate made {sequences.shape[1] - width} of {length} tokens")
 
     with torch.inference_mode():
         generate(warmup, WARMUP_OUTPUT_LEN)

@@ -24,6 +24,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
+    """``include_usage``: end the stream with a chunk that carries only the usage."""
+
     include_usage: bool | None = None
 
 
@@ -59,6 +61,8 @@ class CompletionRequest(GenerationRequest):
 
 
 class TextPart(_Strict):
+    """One part of a message's content given as a list (only text is supported)."""
+
     type: Literal["text"]
     text: str
 
@@ -87,12 +91,16 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class Usage(BaseModel):
+    """Token counts of a request: the prompt's once, the completions' summed over choices."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
 class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per generated token."""
+
     tokens: list[str]
     token_logprobs: list[float]
     top_logprobs: list[dict[str, float]]
@@ -118,6 +126,8 @@ class CompletionResponse(BaseModel):
 
 
 class TopLogprob(BaseModel):
+    """A token, its logprob and its UTF-8 bytes (chat completions)."""
+
     token: str
     logprob: float
     bytes: list[int]
@@ -144,6 +154,8 @@ class ChatChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
+    """A whole chat completion; streams send ``ChatCompletionChunk`` instead."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -165,6 +177,8 @@ class ChatChunkChoice(BaseModel):
 
 
 class ChatCompletionChunk(BaseModel):
+    """One chunk of a streamed chat completion: each choice carries a ``ChatDelta``."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -174,6 +188,8 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """``GET /v1/models/{id}``; ``max_model_len`` is an extension (as in vLLM)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -197,6 +213,8 @@ class ErrorInfo(BaseModel):
 
 
 class ErrorResponse(BaseModel):
+    """OpenAI's error body, for every error the server answers."""
+
     error: ErrorInfo
 
 

@@ -24,6 +24,8 @@ UNWIND_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class ServeOptions:
+    """Where to listen and how long a stop may take; ``app`` is what the application needs."""
+
     host: str = "127.0.0.1"
     port: int = 8000
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may run on after a stop signal

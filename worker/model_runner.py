@@ -159,13 +159,13 @@ class ModelRunner:
         num_output = batch.num_tokens[rows] - batch.num_prompt[rows]
         meta = SamplingMetadata(
             temperature=self._to_device(temperature),
-            top_k=self._to_device(np.where(top_k > 0, top_k, vocab)),
+            top_k=self._to_device(np.where(top_k > 0, np.minimum(top_k, vocab), vocab)),
             top_p=self._to_device(top_p),
             min_p=self._to_device(min_p),
             seeds=self._to_device(batch.seed[rows]),
             output_positions=self._to_device(num_output),
             all_greedy=bool((temperature == 0).all()),
-            need_top_k=bool((top_k > 0).any()),
+            need_top_k=bool(((top_k > 0) & (top_k < vocab)).any()),
             need_top_p=bool((top_p < 1).any()),
             need_min_p=bool((min_p > 0).any()),
         )
@@ -178,7 +178,9 @@ class ModelRunner:
             if num_output[i] < batch.min_tokens[row] and batch.stop_token_ids[row]
         ]
         meta.banned_tokens = banned or None
-        wanted = [(i, int(batch.num_logprobs[row])) for i, row in enumerate(rows.tolist()) if batch.num_logprobs[row] >= 0]
+        wanted = [
+            (i, min(int(batch.num_logprobs[row]), vocab)) for i, row in enumerate(rows.tolist()) if batch.num_logprobs[row] >= 0
+        ]
         meta.logprob_rows = wanted or None
         return meta
 
