@@ -81,3 +81,10 @@ def test_chat_applies_the_template(llm, default_model_path):
     output = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     expected_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert output.prompt_token_ids == tokenizer.encode(expected_prompt, add_special_tokens=False)
+
+
+def test_top_k_and_logprobs_beyond_the_vocabulary_are_clamped_not_fatal(llm):
+    params = SamplingParams(temperature=1.0, top_k=10**7, logprobs=10**6, max_tokens=1, seed=3)
+    (output,) = llm.generate(PROMPT, params, use_tqdm=False)
+    assert output.outputs[0].finish_reason == "length"
+    assert len(output.outputs[0].logprobs[0]) > 40_000, "the whole vocabulary, not a crash"
