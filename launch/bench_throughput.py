@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine_core.sampling_params import SamplingParams
+from launch.core_client import SyncCoreClient
 from launch.llm import LLM
 from worker.model_loader import resolve_dtype
 
@@ -139,6 +140,9 @@ def run(llm: LLM, workload: Workload, baseline: str | None = None) -> dict[str, 
         "output_tokens_per_s": output_tokens_per_s,
         "total_tokens_per_s": (input_tokens + output_tokens) / elapsed,
     }
+    if isinstance(llm.engine, SyncCoreClient):
+        # Encode + send + receive + decode between the EngineCore and its workers, per step.
+        result["ipc_us_per_step"] = llm.engine.call_utility("debug_state")["ipc_us_per_step"]
     if baseline == "hf":
         pad_token_id = llm.tokenizer.pad_token_id
         if pad_token_id is None:
