@@ -1,4 +1,4 @@
-"""Every message that crosses a socket: msgspec structs with typed decoders, never pickle.
+"""Every message that crosses a socket: msgspec structs with typed decoders, nothing else.
 
 Two conversations:
 - frontend <-> EngineCore: ``EngineCoreRequest``/``AbortRequests`` in, ``EngineCoreOutputs`` out;
