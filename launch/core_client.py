@@ -97,6 +97,14 @@ class _Connection:
             raise EngineDeadError(f"expected the EngineCore's ready message, got {type(message).__name__}")
         self.num_blocks, self.vocab_size = message.num_blocks, message.vocab_size
 
+    def decode(self, frame: bytes) -> CoreMessage:
+        """A frame from the EngineCore; its ``EngineDead`` raises ``EngineDeadError``."""
+        message = self.decoder.decode(frame)
+        if isinstance(message, EngineDead):
+            self.dead_reason = message.reason
+            raise EngineDeadError(message.reason)
+        return message
+
     def check_alive(self) -> None:
         reason = self.dead_reason or self.process.exit_reason()
         if reason is not None:
@@ -160,11 +168,7 @@ class SyncCoreClient:
         while True:
             self._conn.check_alive()
             if self._output.poll(POLL_MS):
-                message = self._conn.decoder.decode(self._output.recv())
-                if isinstance(message, EngineDead):
-                    self._conn.dead_reason = message.reason
-                    raise EngineDeadError(message.reason)
-                return message
+                return self._conn.decode(self._output.recv())
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"no answer from the EngineCore within {timeout_s:.0f} s")
 
@@ -241,11 +245,7 @@ class AsyncCoreClient:
         while True:
             self._conn.check_alive()
             if await self._output.poll(POLL_MS):
-                message = self._conn.decoder.decode(await self._output.recv())
-                if isinstance(message, EngineDead):
-                    self._conn.dead_reason = message.reason
-                    raise EngineDeadError(message.reason)
-                return message
+                return self._conn.decode(await self._output.recv())
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"no answer from the EngineCore within {timeout_s:.0f} s")
 
