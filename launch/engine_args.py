@@ -81,7 +81,7 @@ class EngineArgs:
         add("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (overrides --kv-cache-memory)")
         add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         add("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-        add("--attention-backend", default=None, choices=["torch", "triton"])
+        add("--attention-backend", default=None, choices=["torch", "cpu", "triton"])
         add("--worker-timeout-s", type=float, default=60.0, help="a worker silent this long is declared hung")
         add("--kv-offload-cpu-bytes", type=int, default=None, help="CPU KV tier size, total over TP ranks (off by default)")
         add("--kv-offload-policy", default="lru", choices=["lru", "arc"], help="CPU tier eviction policy")

@@ -5,10 +5,11 @@ that layer's cache and attends. Backends differ only in which kernels they run.
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from kernels import reference
+from kernels import cpu_attention, reference
 
 
 @dataclass
@@ -22,8 +23,8 @@ class AttentionMetadata:
     # Host-side maxima, when the caller has them: they spare the Triton backend a device sync.
     max_query_len: int | None = None
     max_seq_len: int | None = None
-    # The torch backend's per-step index work, built at the first layer and reused by the rest.
-    reference_plan: reference.AttentionPlan | None = None
+    # A backend's per-step index work, built at the first layer and reused by the rest.
+    plan: Any = None
 
 
 class TorchAttentionBackend:
@@ -42,12 +43,10 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]``; returns ``[T, H, D]``."""
         reference.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-        if meta.reference_plan is None:
-            meta.reference_plan = reference.plan_attention(
-                meta.block_tables, meta.query_start_loc, meta.seq_lens, kv_cache.shape[2]
-            )
+        if meta.plan is None:
+            meta.plan = reference.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, kv_cache.shape[2])
         return reference.paged_attention(
-            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, meta.reference_plan
+            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, meta.plan
         )
 
     @staticmethod
@@ -55,6 +54,43 @@ class TorchAttentionBackend:
         """float32: the reference attends in float32, and on CPU converting a bf16 cache to
         float32 at every layer costs more than the memory it saves."""
         return torch.float32
+
+
+class CpuAttentionBackend:
+    """The C kernel compiled for this CPU (kernels/csrc): the CPU path where a C compiler exists.
+    Attention shapes the kernel does not handle run the torch reference instead."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        if not cpu_attention.is_available():
+            raise RuntimeError("the cpu attention backend needs a C compiler (see kernels.native); use --attention-backend torch")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]``; returns ``[T, H, D]``."""
+        reference.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        if not cpu_attention.supports(query.shape[1], num_kv_heads, head_dim, block_size):
+            return reference.paged_attention(query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
+        if meta.plan is None:
+            meta.plan = torch.arange(meta.seq_lens.numel(), dtype=torch.int32)
+        out = torch.empty(query.shape, dtype=query.dtype)
+        cpu_attention.paged_attention(
+            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, meta.plan, out
+        )
+        return out
+
+    @staticmethod
+    def cache_dtype(model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype
 
 
 class TritonAttentionBackend:
@@ -96,15 +132,19 @@ class TritonAttentionBackend:
         return model_dtype
 
 
-_BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
+_BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend, "triton": TritonAttentionBackend}
 
 
 def get_attention_backend(
     name: str | None, device: torch.device
-) -> TorchAttentionBackend | TritonAttentionBackend:
-    """The backend called ``name``; ``None`` picks Triton on CUDA and torch elsewhere."""
+) -> TorchAttentionBackend | CpuAttentionBackend | TritonAttentionBackend:
+    """The backend called ``name``; ``None`` picks Triton on CUDA, else the C kernel where it
+    builds, else the torch reference."""
     if name is None:
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            name = "cpu" if cpu_attention.is_available() else "torch"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
     return _BACKENDS[name]()

@@ -2,6 +2,8 @@
 
 The model runs a flat, ragged batch: ``T`` tokens from any mix of prefills and decodes, each
 with its position; where each token's keys and values live is the attention metadata's job.
+On the CPU the elementwise steps (RMSNorm + residual, rotary, SwiGLU) run fused C kernels
+(``kernels.cpu_layers``) where they built; the torch code here is the same computation.
 Module and parameter names follow the HF checkpoints, except that q/k/v and gate/up are
 merged into one matmul each (``qkv_proj``, ``gate_up_proj``).
 """
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedConfig
 
+from kernels import cpu_layers
 from worker.attention import AttentionMetadata
 from worker.parallel_state import TensorParallel
 from worker.tp_layers import (
@@ -63,12 +66,22 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(norm(x + residual), x + residual)``; without a residual, ``x`` is the new one."""
-        if residual is not None:
-            x = x + residual
-        normed = x.float()
-        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype), x
+        """Return ``(norm(x + residual), x + residual)``; without a residual, ``x`` is the new one.
+        The given residual may be overwritten (the C kernel adds into it)."""
+        if cpu_layers.handles(x):
+            return cpu_layers.rms_norm(x, residual, self.weight, self.eps)
+        return rms_norm(x, residual, self.weight, self.eps)
+
+
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight * norm(x + residual), x + residual)``, the norm computed in float32."""
+    if residual is not None:
+        x = x + residual
+    normed = x.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), x
 
 
 def rope_inverse_frequencies(config: PreTrainedConfig, head_dim: int) -> torch.Tensor:
@@ -115,16 +128,17 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inverse_frequencies(config, head_dim), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and ``sin``, each ``[T, head_dim / 2]`` in ``dtype``."""
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin``, each ``[T, head_dim / 2]`` in float32."""
         angles = positions.float().unsqueeze(-1) * self.inv_freq
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]``: dimension ``i`` pairs with ``i + head_dim / 2`` (HF layout)."""
+    """Rotate ``x`` ``[T, heads, head_dim]``: dimension ``i`` pairs with ``i + head_dim / 2`` (HF
+    layout), with ``cos``/``sin`` rounded to ``x``'s dtype first as HF does."""
     x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    cos, sin = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
@@ -184,10 +198,16 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        query, key, value = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        query = apply_rotary(query.view(-1, self.num_heads, self.head_dim), cos, sin)
-        key = apply_rotary(key.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        qkv = self.qkv_proj(hidden)
+        fused = cpu_layers.handles(qkv)
+        if fused:  # q and k heads sit side by side at the start of each row
+            cpu_layers.rotary_embedding_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
+        query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        query = query.view(-1, self.num_heads, self.head_dim)
+        key = key.view(-1, self.num_kv_heads, self.head_dim)
         value = value.view(-1, self.num_kv_heads, self.head_dim)
+        if not fused:
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         out = self.attn_backend.forward(query, key, value, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, q_size))
 
@@ -205,8 +225,15 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        fused = cpu_layers.handles(gate_up)
+        return self.down_proj(cpu_layers.silu_and_mul(gate_up) if fused else silu_and_mul(gate_up))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -255,7 +282,7 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        cos, sin = self.rotary_emb(positions)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)

@@ -1,0 +1,101 @@
+"""Paged attention on the CPU with the C kernel of ``csrc/paged_attention.c`` (same layouts and
+semantics as ``kernels.reference.paged_attention``)."""
+
+import torch
+
+from kernels import native
+
+
+def is_available() -> bool:
+    """Whether the C kernels built on this machine (see ``kernels.native``)."""
+    return native.load_library() is not None
+
+
+# What csrc/paged_attention.c handles: 16-float lanes, at most 16 chunks of them per head and
+# 16 query heads per KV head.
+LANES, MAX_HEAD_DIM, MAX_GROUP = 16, 256, 16
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether the kernel handles this attention shape (else use the torch reference)."""
+    return (
+        head_dim % LANES == 0
+        and head_dim <= MAX_HEAD_DIM
+        and block_size % LANES == 0
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    seqs: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Write into ``out`` ``[num_tokens, num_heads, head_dim]`` the causal attention of the new
+    tokens of the sequences ``seqs`` (int32 indices into the batch) over their paged context;
+    other rows of ``out`` are left as they are. The new tokens' K/V must already be in the cache.
+    ``query`` may be a strided view as long as its last dimension is contiguous."""
+    library = native.load_library()
+    if library is None:
+        raise RuntimeError("the C kernels are not available on this machine (see kernels.native)")
+    _check(query, kv_cache, block_tables, query_start_loc, seq_lens, seqs, out)
+    status = library.paged_attention(
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        native.DTYPE_CODES[query.dtype],
+        kv_cache.data_ptr(),
+        native.DTYPE_CODES[kv_cache.dtype],
+        kv_cache.shape[1],
+        kv_cache.shape[2],
+        kv_cache.shape[3],
+        kv_cache.shape[4],
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        query_start_loc.data_ptr(),
+        seq_lens.data_ptr(),
+        seqs.data_ptr(),
+        seqs.numel(),
+        query.shape[1],
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("paged_attention kernel could not allocate its work list")
+
+
+def _check(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seqs: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    # The kernel trusts its pointers: every layout assumption is checked here.
+    for name, tensor in {"kv_cache": kv_cache, "query_start_loc": query_start_loc, "seq_lens": seq_lens, "seqs": seqs, "out": out}.items():
+        if not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous CPU tensor")
+    for name, tensor in {"block_tables": block_tables, "query_start_loc": query_start_loc, "seq_lens": seq_lens, "seqs": seqs}.items():
+        if tensor.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {tensor.dtype}")
+    if block_tables.stride(1) != 1 or query.stride(2) != 1:
+        raise ValueError("block_tables rows and query heads must be contiguous")
+    if query.dtype not in native.DTYPE_CODES or kv_cache.dtype not in native.DTYPE_CODES:
+        raise ValueError(f"unsupported dtypes: query {query.dtype}, cache {kv_cache.dtype}")
+    if out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError("out must have the query's shape and dtype")
+    num_heads, (_, _, block_size, num_kv_heads, head_dim) = query.shape[1], kv_cache.shape
+    if not supports(num_heads, num_kv_heads, head_dim, block_size):
+        raise ValueError(
+            f"attention shape not supported: {num_heads} query heads over {num_kv_heads} KV heads, "
+            f"head_dim {head_dim}, block_size {block_size} (see cpu_attention.supports)"
+        )

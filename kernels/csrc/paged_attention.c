@@ -1,0 +1,209 @@
+/* Paged attention for a ragged mixed batch on the CPU: the same contract as
+ * kernels/reference.py's paged_attention (which it is tested against), computed in float32
+ * with an online softmax, one pass over each sequence's paged context.
+ *
+ * Work is split into items of (sequence, tile of up to QUERY_TILE consecutive new tokens,
+ * KV head). An item walks its context 16 positions at a time: the 16 key rows are converted
+ * once and shared by every query row of the item (its tokens x the query heads of the KV
+ * head), each query row's 16 dot products are summed by a shuffle tree instead of 16
+ * horizontal reductions, and each value row is converted once and added into every row.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "vector_math.h"
+
+enum { QUERY_TILE = 8, MAX_GROUP = 16, MAX_CHUNKS = 16 };
+
+typedef struct {
+    const char *query; /* [tokens, heads, head_dim], last dim contiguous */
+    int64_t query_token_stride, query_head_stride; /* in elements */
+    int query_dtype; /* also the output's */
+    const char *keys, *values; /* each [blocks, block_size, kv_heads, head_dim] */
+    int cache_dtype;
+    int block_size, num_heads, num_kv_heads;
+    const int32_t *block_tables;
+    int64_t block_table_stride;
+    const int32_t *query_start_loc, *seq_lens;
+    float scale;
+    char *out; /* [tokens, heads, head_dim], contiguous */
+} Batch;
+
+/* Pairwise step of the shuffle tree: `a` and `b` each hold 16 / width groups of `width` lanes,
+ * one group per position, whose sum is that position's dot product. Returns groups of half
+ * the width with the same sums: a's positions first, then b's. */
+static inline vfloat fold(vfloat a, vfloat b, int width)
+{
+    static const vint low[] = {
+        [8] = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+        [4] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+        [2] = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+        [1] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+    };
+    const int half = width / 2;
+    return __builtin_shuffle(a, b, low[half]) + __builtin_shuffle(a, b, low[half] + half);
+}
+
+/* lanes[p] = the sum of the lanes of partial[p], for the 16 positions p. */
+static inline vfloat sum_each(vfloat partial[LANES])
+{
+    for (int width = LANES, count = LANES; width > 1; width /= 2, count /= 2)
+        for (int i = 0; i < count / 2; i++) partial[i] = fold(partial[2 * i], partial[2 * i + 1], width);
+    return partial[0];
+}
+
+/* One item: `num_tokens` new tokens of `seq` from query row `row` on, KV head `kv_head`.
+ * Inlined with a constant chunk count for the common head sizes so the loops unroll. */
+static inline __attribute__((always_inline)) void attend_tile(
+    const Batch *b, int seq, int64_t row, int num_tokens, int kv_head, const int chunks)
+{
+    const int head_dim = chunks * LANES, group = b->num_heads / b->num_kv_heads;
+    const int rows = num_tokens * group, block_size = b->block_size;
+    const int64_t position_stride = (int64_t)b->num_kv_heads * head_dim;
+    const int64_t block_stride = block_size * position_stride;
+    const size_t cache_item = dtype_size(b->cache_dtype), query_item = dtype_size(b->query_dtype);
+    /* Row x is token x / group and query head kv_head * group + x % group; it sees positions
+     * [0, visible[x]) (causal: the new tokens are the last ones of the context). */
+    const int last_visible = b->seq_lens[seq] - (b->query_start_loc[seq + 1] - (int)(row + num_tokens));
+    vfloat q[rows][chunks], acc[rows][chunks], keys[LANES][chunks], values[LANES][chunks], partial[LANES];
+    float running_max[rows], denominator[rows];
+    vfloat weights[rows];
+    int visible[rows];
+    for (int x = 0; x < rows; x++) {
+        const int token = x / group, head = kv_head * group + x % group;
+        const char *src = b->query + ((row + token) * b->query_token_stride + head * b->query_head_stride) * query_item;
+        for (int c = 0; c < chunks; c++) {
+            q[x][c] = load_lanes(src + c * LANES * query_item, b->query_dtype) * b->scale;
+            acc[x][c] = (vfloat){0};
+        }
+        running_max[x] = -INFINITY;
+        denominator[x] = 0.f;
+        visible[x] = last_visible - (num_tokens - 1 - token);
+    }
+    const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
+    for (int start = 0; start < last_visible; start += LANES) {
+        const int len = last_visible - start < LANES ? last_visible - start : LANES;
+        const int64_t offset = (int64_t)blocks[start / block_size] * block_stride
+                               + (start % block_size) * position_stride + (int64_t)kv_head * head_dim;
+        const int next = start + LANES;
+        if (next < last_visible) { /* the next tile's rows: its block is anywhere in the cache */
+            const int64_t next_offset = (int64_t)blocks[next / block_size] * block_stride
+                                        + (next % block_size) * position_stride + (int64_t)kv_head * head_dim;
+            for (int p = 0; p < LANES; p++)
+                for (size_t line = 0; line < head_dim * cache_item; line += 64) {
+                    __builtin_prefetch(b->keys + (next_offset + p * position_stride) * cache_item + line);
+                    __builtin_prefetch(b->values + (next_offset + p * position_stride) * cache_item + line);
+                }
+        }
+        for (int p = 0; p < LANES; p++)
+            for (int c = 0; c < chunks; c++)
+                keys[p][c] = p < len ? load_lanes(b->keys + (offset + p * position_stride + c * LANES) * cache_item,
+                                                  b->cache_dtype)
+                                     : (vfloat){0};
+        for (int x = 0; x < rows; x++) {
+            if (start >= visible[x]) continue;
+            for (int p = 0; p < LANES; p++) {
+                partial[p] = q[x][0] * keys[p][0];
+                for (int c = 1; c < chunks; c++) partial[p] += q[x][c] * keys[p][c];
+            }
+            const vint in_view = LANE_INDEX < (visible[x] - start);
+            const vfloat scores = select_lanes(in_view, sum_each(partial), (vfloat){0} - INFINITY);
+            const float tile_max = max_of_lanes(scores);
+            const float new_max = tile_max > running_max[x] ? tile_max : running_max[x];
+            const float correction = exp_lanes((vfloat){0} + (running_max[x] - new_max))[0];
+            weights[x] = exp_lanes(scores - new_max);
+            const float sum = sum_of_lanes(weights[x]);
+            denominator[x] = denominator[x] * correction + sum;
+            running_max[x] = new_max;
+            if (correction != 1.f)
+                for (int c = 0; c < chunks; c++) acc[x][c] *= correction;
+        }
+        for (int p = 0; p < LANES; p++)
+            for (int c = 0; c < chunks; c++)
+                values[p][c] = p < len ? load_lanes(b->values + (offset + p * position_stride + c * LANES) * cache_item,
+                                                    b->cache_dtype)
+                                       : (vfloat){0};
+        for (int x = 0; x < rows; x++) {
+            if (start >= visible[x]) continue;
+            for (int c = 0; c < chunks; c++) {
+                vfloat sum = acc[x][c];
+                for (int p = 0; p < LANES; p++) sum += weights[x][p] * values[p][c];
+                acc[x][c] = sum;
+            }
+        }
+    }
+    for (int x = 0; x < rows; x++) {
+        const int token = x / group, head = kv_head * group + x % group;
+        float result[head_dim];
+        for (int c = 0; c < chunks; c++) memcpy(result + c * LANES, &acc[x][c], sizeof(vfloat));
+        const float inverse = 1.f / denominator[x];
+        for (int d = 0; d < head_dim; d++) result[d] *= inverse;
+        store_row(result, b->query_dtype, b->out + (((row + token) * b->num_heads + head) * (int64_t)head_dim) * query_item,
+                  head_dim);
+    }
+}
+
+static void attend_item(const Batch *b, int seq, int64_t row, int num_tokens, int kv_head, int head_dim)
+{
+    switch (head_dim) {
+    case 64: attend_tile(b, seq, row, num_tokens, kv_head, 4); break;
+    case 128: attend_tile(b, seq, row, num_tokens, kv_head, 8); break;
+    default: attend_tile(b, seq, row, num_tokens, kv_head, head_dim / LANES);
+    }
+}
+
+/* Attention of the new tokens of sequences `seqs[0..num_seqs)` (indices into the batch); the
+ * other sequences' output rows are left untouched. Returns 0, or -1 when the shapes are outside
+ * what this kernel handles (head_dim a multiple of 16 up to 256, block_size a multiple of 16,
+ * at most 16 query heads per KV head) or memory runs out. */
+int paged_attention(
+    const void *query, int64_t query_token_stride, int64_t query_head_stride, int query_dtype,
+    const void *kv_cache, int cache_dtype, int64_t num_blocks, int block_size, int num_kv_heads, int head_dim,
+    const int32_t *block_tables, int64_t block_table_stride, const int32_t *query_start_loc,
+    const int32_t *seq_lens, const int32_t *seqs, int num_seqs, int num_heads, float scale, void *out,
+    int num_threads)
+{
+    if (head_dim % LANES || head_dim > MAX_CHUNKS * LANES || block_size % LANES
+        || num_heads / num_kv_heads > MAX_GROUP)
+        return -1;
+    int64_t num_tiles = 0;
+    for (int k = 0; k < num_seqs; k++) {
+        const int s = seqs[k], tokens = query_start_loc[s + 1] - query_start_loc[s];
+        num_tiles += (tokens + QUERY_TILE - 1) / QUERY_TILE;
+    }
+    /* tile_seq[i], tile_row[i]: the sequence and first query row of tile i. */
+    int32_t *tile_seq = malloc(sizeof(int32_t) * (num_tiles + 1));
+    int64_t *tile_row = malloc(sizeof(int64_t) * (num_tiles + 1));
+    if (!tile_seq || !tile_row) {
+        free(tile_seq);
+        free(tile_row);
+        return -1;
+    }
+    int64_t n = 0;
+    for (int k = 0; k < num_seqs; k++) {
+        const int s = seqs[k];
+        for (int64_t row = query_start_loc[s]; row < query_start_loc[s + 1]; row += QUERY_TILE) {
+            tile_seq[n] = s;
+            tile_row[n++] = row;
+        }
+    }
+    const size_t cache_bytes = (size_t)num_blocks * block_size * num_kv_heads * head_dim * dtype_size(cache_dtype);
+    const Batch batch = {
+        .query = query, .query_token_stride = query_token_stride, .query_head_stride = query_head_stride,
+        .query_dtype = query_dtype, .keys = kv_cache, .values = (const char *)kv_cache + cache_bytes,
+        .cache_dtype = cache_dtype, .block_size = block_size, .num_heads = num_heads,
+        .num_kv_heads = num_kv_heads, .block_tables = block_tables, .block_table_stride = block_table_stride,
+        .query_start_loc = query_start_loc, .seq_lens = seq_lens, .scale = scale, .out = out,
+    };
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+    for (int64_t i = 0; i < num_tiles * num_kv_heads; i++) {
+        const int64_t tile = i / num_kv_heads, row = tile_row[tile];
+        const int s = tile_seq[tile], end = query_start_loc[s + 1];
+        const int tokens = end - row < QUERY_TILE ? (int)(end - row) : QUERY_TILE;
+        attend_item(&batch, s, row, tokens, (int)(i % num_kv_heads), head_dim);
+    }
+    free(tile_seq);
+    free(tile_row);
+    return 0;
+}

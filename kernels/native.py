@@ -1,0 +1,107 @@
+"""The C kernels of ``kernels/csrc``: compiled once per machine with the system C compiler,
+cached, and called through ctypes.
+
+The library is built for this CPU (``-march=native``) into
+``$STRATA_CACHE_DIR/kernels/native-<key>.so`` (``STRATA_CACHE_DIR`` defaults to
+``~/.cache/strata``); the key hashes the sources, the flags, the compiler and the CPU, so a
+change to any of them builds a new one. It uses OpenMP from the runtime torch has already
+loaded, so its threads are torch's threads.
+"""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC"]
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/dtypes.h
+
+_i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {
+    "paged_attention": (
+        [_ptr, _i64, _i64, _i32, _ptr, _i32, _i64, _i32, _i32, _i32, _ptr, _i64, _ptr, _ptr, _ptr, _i32, _i32]
+        + [ctypes.c_float, _ptr, _i32],
+        _i32,
+    ),
+    "rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, ctypes.c_float, _i32], None),
+    "rotary_embedding": ([_ptr, _i64, _i64, _i32, _i32, _i32, _ptr, _ptr, _i32], None),
+    "silu_and_mul": ([_ptr, _ptr, _i64, _i32, _i32, _i32], None),
+}
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernels, or ``None`` (logged once) when this machine cannot build them:
+    no C compiler, or the compiler fails."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.warning("no C compiler found (set CC): the CPU path falls back to torch code")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except subprocess.CalledProcessError as error:
+        logger.warning("building the C kernels failed, the CPU path falls back to torch code:\n%s", error.stderr)
+        return None
+    except OSError as error:
+        logger.warning("loading the C kernels failed, the CPU path falls back to torch code: %s", error)
+        return None
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, restype
+    return library
+
+
+def _build(compiler: str) -> Path:
+    sources = sorted(SOURCE_DIR.glob("*.c"))
+    target = _cache_root() / f"native-{_build_key(compiler)}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Concurrent builders (TP ranks) each write their own file; the rename makes one win whole.
+    fd, staging = tempfile.mkstemp(prefix=".native-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, "-I", str(SOURCE_DIR), *map(str, sources), "-o", staging, "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        os.replace(staging, target)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _build_key(compiler: str) -> str:
+    digest = hashlib.sha256()
+    for source in sorted(SOURCE_DIR.iterdir()):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True).stdout
+    digest.update("\0".join([compiler, version, *FLAGS, _cpu_flags()]).encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what ``-march=native`` compiles for); empty where unknown."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line for line in lines if line.startswith("flags")), "")
+
+
+def _cache_root() -> Path:
+    strata_cache = os.environ.get("STRATA_CACHE_DIR")
+    return (Path(strata_cache) if strata_cache else Path.home() / ".cache" / "strata") / "kernels"

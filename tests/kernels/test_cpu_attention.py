@@ -1,0 +1,102 @@
+"""The C paged attention (``kernels.cpu_attention``) equals ``kernels.reference.paged_attention``.
+
+Tolerances (``atol = rtol``, outputs of magnitude ~1): fp32 ``1e-5``, only the summation order
+and the exponential's last bits differ; fp16 ``2e-3`` and bf16 ``1.6e-2``, about two ulps of
+the output dtype: both kernels compute in float32 and round the output once, so they differ by
+at most the ulp a float32-level difference can tip over.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import cpu_attention
+from paged_batches import BATCHES, LAYOUTS, NUM_KV_HEADS, make_batch
+from worker.attention import CpuAttentionBackend, TorchAttentionBackend, get_attention_backend
+
+TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# Contexts longer than one 16-position tile and not a multiple of it, beside decodes.
+LONG_BATCH = ([1, 40, 1, 3, 24], [300, 40, 17, 129, 100])
+
+pytestmark = pytest.mark.skipif(not cpu_attention.is_available(), reason="no C compiler to build the CPU kernels")
+
+
+def run_kernel(b, seqs=None) -> torch.Tensor:
+    meta = b.meta
+    seqs = torch.arange(meta.seq_lens.numel(), dtype=torch.int32) if seqs is None else seqs
+    out = torch.full_like(b.query, 7.0)
+    cpu_attention.paged_attention(
+        b.query, b.kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, b.scale, seqs, out
+    )
+    return out
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    tol = TOLERANCES[expected.dtype]
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", TOLERANCES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("group,head_dim,block_size", LAYOUTS)
+@pytest.mark.parametrize("batch", [*BATCHES.values(), LONG_BATCH], ids=[*BATCHES, "long"])
+def test_matches_reference(batch, group, head_dim, block_size, dtype):
+    b = make_batch(*batch, group, head_dim, block_size, dtype)
+    assert_close(run_kernel(b), b.reference())
+
+
+def test_only_the_selected_sequences_are_written():
+    b = make_batch(*BATCHES["mixed"], 3, 64, 16, torch.float32)
+    out = run_kernel(b, seqs=torch.tensor([1, 3], dtype=torch.int32))
+    starts = b.meta.query_start_loc.tolist()
+    expected = b.reference()
+    for seq in (1, 3):
+        rows = slice(starts[seq], starts[seq + 1])
+        assert_close(out[rows], expected[rows])
+    for seq in (0, 2):
+        assert out[starts[seq] : starts[seq + 1]].eq(7.0).all()
+
+
+def test_strided_query_view():
+    b = make_batch(*LONG_BATCH, 2, 64, 16, torch.bfloat16)
+    wide = torch.randn(b.query.shape[0], b.query.shape[1] + 3, 64).to(torch.bfloat16)
+    wide[:, 1 : 1 + b.query.shape[1]] = b.query
+    expected = b.reference()
+    b.query = wide[:, 1 : 1 + b.query.shape[1]]
+    assert not b.query.is_contiguous()
+    assert_close(run_kernel(b), expected)
+
+
+@pytest.mark.parametrize(
+    "head_dim,block_size,group", [(72, 16, 1), (64, 8, 1), (64, 16, 32)], ids=["head_dim", "block_size", "group"]
+)
+def test_unsupported_shapes_are_refused_and_the_backend_falls_back(head_dim, block_size, group):
+    b = make_batch(*BATCHES["mixed"], group, head_dim, block_size, torch.float32)
+    assert not cpu_attention.supports(b.query.shape[1], NUM_KV_HEADS, head_dim, block_size)
+    with pytest.raises(ValueError, match="not supported"):
+        run_kernel(b)
+    new = torch.randn(b.query.shape[0], NUM_KV_HEADS, head_dim)
+    out = CpuAttentionBackend().forward(b.query, new, new, b.kv_cache, b.meta, b.scale)
+    assert_close(out, b.reference())
+
+
+def test_cpu_backend_matches_torch_backend():
+    """Whole forward: strided q/k/v views of one projection, K/V written, then attention."""
+    group, head_dim = 3, 64
+    b = make_batch(*LONG_BATCH, group, head_dim, 16, torch.bfloat16)
+    num_tokens, num_heads = b.query.shape[0], NUM_KV_HEADS * group
+    qkv = torch.randn(num_tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim).to(torch.bfloat16)
+    query, key, value = qkv.split([num_heads * head_dim, *[NUM_KV_HEADS * head_dim] * 2], dim=1)
+    query = query.view(num_tokens, num_heads, head_dim)
+    key, value = (t.view(num_tokens, NUM_KV_HEADS, head_dim) for t in (key, value))
+    caches = b.kv_cache, b.kv_cache.clone()
+    outs = [
+        backend.forward(query, key, value, cache, dataclasses.replace(b.meta), b.scale)
+        for backend, cache in zip((CpuAttentionBackend(), TorchAttentionBackend()), caches)
+    ]
+    torch.testing.assert_close(caches[0], caches[1], atol=0, rtol=0)
+    assert_close(outs[0], outs[1])
+
+
+def test_cpu_is_the_default_backend_on_cpu():
+    assert get_attention_backend(None, torch.device("cpu")).name == "cpu"

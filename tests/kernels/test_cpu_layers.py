@@ -1,0 +1,81 @@
+"""The fused C layer kernels (``kernels.cpu_layers``) equal the torch code in ``worker/llama.py``.
+
+Tolerances: fp32 ``1e-5`` (summation order, the exponential's last bits); bf16/fp16 one ulp of
+the dtype at the values' magnitude (``rtol`` 1/128 and 1/1024), since the kernels round where
+the torch code rounds but compute each step in float32 before rounding. Rotary is compared with
+the torch code run in float32 and rounded once, as the kernel does.
+"""
+
+import pytest
+import torch
+
+from kernels import cpu_layers
+from worker.llama import apply_rotary, rms_norm, silu_and_mul
+
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1 / 128), torch.float16: (1e-3, 1 / 1024)}
+IDS = ["fp32", "bf16", "fp16"]
+
+pytestmark = pytest.mark.skipif(not cpu_layers.handles(torch.empty(1)), reason="no C compiler to build the CPU kernels")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    atol, rtol = TOLERANCES[expected.dtype]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", TOLERANCES, ids=IDS)
+@pytest.mark.parametrize("rows", [1, 200], ids=["one_row", "threaded"])
+def test_rms_norm_with_residual_matches_torch(dtype, rows):
+    torch.manual_seed(0)
+    x, residual = (torch.randn(rows, 576).to(dtype) for _ in range(2))
+    weight = torch.rand(576).to(dtype)
+    expected, expected_sum = rms_norm(x, residual, weight, 1e-5)
+    out, new_residual = cpu_layers.rms_norm(x, residual.clone(), weight, 1e-5)
+    assert_close(new_residual, expected_sum)
+    assert_close(out, expected)
+
+
+def test_rms_norm_adds_into_the_residual_in_place():
+    x, residual = torch.ones(2, 32), torch.full((2, 32), 2.0)
+    _, new_residual = cpu_layers.rms_norm(x, residual, torch.ones(32), 1e-6)
+    assert new_residual.data_ptr() == residual.data_ptr() and residual.eq(3.0).all()
+
+
+@pytest.mark.parametrize("dtype", TOLERANCES, ids=IDS)
+def test_rms_norm_without_residual_returns_x_as_the_residual(dtype):
+    x, weight = torch.randn(3, 80).to(dtype), torch.rand(80).to(dtype)
+    out, new_residual = cpu_layers.rms_norm(x, None, weight, 1e-6)
+    assert new_residual is x
+    assert_close(out, rms_norm(x, None, weight, 1e-6)[0])
+
+
+@pytest.mark.parametrize("dtype", TOLERANCES, ids=IDS)
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_rotary_in_place_on_a_strided_qkv_matches_torch(dtype, head_dim):
+    torch.manual_seed(1)
+    tokens, q_heads, kv_heads = 37, 6, 2
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim).to(dtype)
+    angles = torch.arange(tokens).float()[:, None] * torch.rand(head_dim // 2) * 3
+    cos, sin = angles.cos(), angles.sin()
+    # The torch code rounds cos, sin and each product to the dtype; the kernel rounds once.
+    heads = qkv[:, : (q_heads + kv_heads) * head_dim].reshape(tokens, -1, head_dim)
+    expected = apply_rotary(heads.float(), cos, sin).to(dtype)
+    value = qkv[:, (q_heads + kv_heads) * head_dim :].clone()
+    cpu_layers.rotary_embedding_(qkv, q_heads + kv_heads, head_dim, cos, sin)
+    assert_close(qkv[:, : (q_heads + kv_heads) * head_dim].reshape(tokens, -1, head_dim), expected)
+    assert qkv[:, (q_heads + kv_heads) * head_dim :].equal(value)
+
+
+@pytest.mark.parametrize("dtype", TOLERANCES, ids=IDS)
+@pytest.mark.parametrize("width", [1536, 40], ids=["lanes", "ragged"])
+def test_silu_and_mul_matches_torch(dtype, width):
+    torch.manual_seed(2)
+    gate_up = (torch.randn(70, 2 * width) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp saturates both ways
+    assert_close(cpu_layers.silu_and_mul(gate_up), silu_and_mul(gate_up))
+
+
+def test_strided_inputs_are_refused():
+    x = torch.randn(4, 64)[:, ::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_layers.rms_norm(x, None, torch.ones(32), 1e-6)
