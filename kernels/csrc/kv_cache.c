@@ -1,0 +1,28 @@
+/* Writing new keys and values into the paged cache on the CPU (kernels/reference.py's
+ * write_kv_cache, tested against it). */
+#include <stdint.h>
+
+#include "dtypes.h"
+
+/* Token t's key and value rows (num_kv_heads * head_dim elements of `dtype`, at key +
+ * t * key_stride and value + t * value_stride) go to slot slot_mapping[t] of the cache
+ * ([2, num_slots, num_kv_heads * head_dim] of `cache_dtype`); slot -1 skips t. Returns 0, or
+ * -1 (after writing the tokens before it) at a slot outside the cache. */
+int write_kv_cache(const void *key, int64_t key_stride, const void *value, int64_t value_stride, int dtype,
+                    void *kv_cache, int64_t num_slots, int cache_dtype, int row_width, const int64_t *slot_mapping,
+                    int64_t num_tokens)
+{
+    const size_t item = dtype_size(dtype), cache_item = dtype_size(cache_dtype);
+    char *keys = kv_cache, *values = (char *)kv_cache + num_slots * row_width * cache_item;
+    float row[row_width];
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot == -1) continue;
+        if (slot < 0 || slot >= num_slots) return -1;
+        load_row((const char *)key + t * key_stride * item, dtype, row, row_width);
+        store_row(row, cache_dtype, keys + slot * row_width * cache_item, row_width);
+        load_row((const char *)value + t * value_stride * item, dtype, row, row_width);
+        store_row(row, cache_dtype, values + slot * row_width * cache_item, row_width);
+    }
+    return 0;
+}
