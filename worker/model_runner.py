@@ -12,6 +12,7 @@ from engine_core.protocol import KVConnectorOutput, ModelRunnerOutput, Scheduler
 from worker.attention import AttentionMetadata, get_attention_backend
 from worker.config import WorkerConfig
 from worker.input_batch import InputBatch, StepInputs
+from worker.cpu_memory import keep_freed_memory
 from worker.model_loader import load_model, resolve_dtype
 from worker.parallel_state import TensorParallel
 from worker.sampler import SamplingMetadata, sample
@@ -29,6 +30,8 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype, reason = resolve_dtype(config.dtype, self.device)
         logger.info("rank %d: dtype %s (%s)", tp.rank, self.dtype, reason)
         self.backend = get_attention_backend(config.attention_backend, self.device)
