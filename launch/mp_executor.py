@@ -44,9 +44,6 @@ class MultiprocExecutor(ZmqExecutor):
         payload = msgspec.msgpack.encode(WorkerProcessConfig(worker, self.step_endpoints[rank], self.results_endpoint))
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one machine talk over loopback
-        # Idle OpenMP threads sleep instead of spinning: ranks share the machine's cores, and
-        # spinning waits made small ops many times slower whenever another process ran.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         process = subprocess.Popen([sys.executable, "-m", "worker.worker_process"], stdin=subprocess.PIPE, env=env)
         assert process.stdin is not None
         process.stdin.write(payload)
