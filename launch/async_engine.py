@@ -71,7 +71,9 @@ class AsyncEngine:
                 if isinstance(item, EngineDeadError):
                     raise item
                 yield item
-                finished = self.processor.outputs[request_id].finished
+                # The last step's deltas arrive together (one per completion that ended): the
+                # stream ends once the request is finished and they have all been yielded.
+                finished = self.processor.outputs[request_id].finished and queue.empty()
         finally:
             self._streams.pop(request_id, None)
             if not finished:  # the consumer left early: stop spending compute on it
