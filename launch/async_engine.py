@@ -7,7 +7,9 @@ disconnect) aborts the request in the engine.
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from transformers import AutoTokenizer
 
@@ -17,6 +19,8 @@ from launch.core_client import AsyncCoreClient, EngineDeadError
 from launch.engine_args import EngineArgs, ResolvedConfig, resolve
 from launch.output_processor import CompletionDelta, OutputProcessor
 from launch.outputs import RequestOutput
+
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -35,6 +39,8 @@ class AsyncEngine:
         self.stats: SchedulerStats | None = None
         self.dead_reason: str | None = None
         self._background: set[asyncio.Task] = set()
+        # One thread: HF tokenizers are not safe to call from several threads at once.
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     @classmethod
     async def start(cls, args: EngineArgs) -> "AsyncEngine":
@@ -49,6 +55,11 @@ class AsyncEngine:
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    async def off_loop(self, work: Callable[..., T], *args: object) -> T:
+        """Run ``work(*args)`` (tokenizing, chat templates: CPU work that grows with the prompt)
+        on the tokenizer thread, so that the event loop keeps streaming other requests."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work, *args)
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
@@ -119,4 +130,5 @@ class AsyncEngine:
     def shutdown(self) -> None:
         for task in self._background:  # aborts not sent yet would hit closed sockets
             task.cancel()
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
         self.client.shutdown()

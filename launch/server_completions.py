@@ -84,7 +84,7 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
 
     async def handle(self, body: RequestT, request: Request) -> Response:
         """Answer ``body``: one JSON response, or an SSE stream of chunks ending ``[DONE]``."""
-        job = self._job(body)
+        job = await self.engine.off_loop(self._job, body)
         run = _EngineRun(self.engine, self.metrics, job)
         if not job.stream:
             try:

@@ -53,6 +53,16 @@ static inline vfloat sum_each(vfloat partial[LANES])
     return partial[0];
 }
 
+/* tile[p] = the head's row at position p of a tile (`first` + p * `stride` bytes) as float32,
+ * for the `len` positions in the context; zero past them. */
+static inline __attribute__((always_inline)) void load_tile(
+    const char *first, int64_t stride, int len, int dtype, const int chunks, vfloat tile[LANES][chunks])
+{
+    for (int p = 0; p < LANES; p++)
+        for (int c = 0; c < chunks; c++)
+            tile[p][c] = p < len ? load_lanes(first + p * stride + c * LANES * dtype_size(dtype), dtype) : (vfloat){0};
+}
+
 /* One item: `num_tokens` new tokens of `seq` from query row `row` on, KV head `kv_head`.
  * Inlined with a constant chunk count for the common head sizes so the loops unroll. */
 static inline __attribute__((always_inline)) void attend_tile(
@@ -96,11 +106,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                     __builtin_prefetch(b->values + (next_offset + p * position_stride) * cache_item + line);
                 }
         }
-        for (int p = 0; p < LANES; p++)
-            for (int c = 0; c < chunks; c++)
-                keys[p][c] = p < len ? load_lanes(b->keys + (offset + p * position_stride + c * LANES) * cache_item,
-                                                  b->cache_dtype)
-                                     : (vfloat){0};
+        load_tile(b->keys + offset * cache_item, position_stride * cache_item, len, b->cache_dtype, chunks, keys);
         for (int x = 0; x < rows; x++) {
             if (start >= visible[x]) continue;
             for (int p = 0; p < LANES; p++) {
@@ -119,11 +125,7 @@ static inline __attribute__((always_inline)) void attend_tile(
             if (correction != 1.f)
                 for (int c = 0; c < chunks; c++) acc[x][c] *= correction;
         }
-        for (int p = 0; p < LANES; p++)
-            for (int c = 0; c < chunks; c++)
-                values[p][c] = p < len ? load_lanes(b->values + (offset + p * position_stride + c * LANES) * cache_item,
-                                                    b->cache_dtype)
-                                       : (vfloat){0};
+        load_tile(b->values + offset * cache_item, position_stride * cache_item, len, b->cache_dtype, chunks, values);
         for (int x = 0; x < rows; x++) {
             if (start >= visible[x]) continue;
             for (int c = 0; c < chunks; c++) {
