@@ -2,7 +2,8 @@
 
 Each step's transfers (see ``connector.offloading_scheduler`` for the id conventions) are
 submitted as at most one load job and one store job, run in order by a background thread:
-one gather/scatter per layer per direction, never a loop over blocks. On CUDA the thread
+one copy call per layer per direction (a gather/scatter; on the CPU, the C block copy), never
+a Python loop over blocks. On CUDA the thread
 copies on its own stream, after the work already queued on the compute stream (the step
 that filled the blocks), and the pool is pinned memory. A transfer is reported finished
 only once its job has completed.
@@ -10,12 +11,12 @@ only once its job has completed.
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
 from engine_core.protocol import BlockTransfer, KVConnectorMetadata, KVConnectorOutput
-from kernels.reference import copy_blocks
+from kernels import cpu_kv_cache, native, reference
 
 
 class OffloadingConnectorWorker:
@@ -28,6 +29,11 @@ class OffloadingConnectorWorker:
         self.cpu_pool = [torch.zeros(shape, dtype=c.dtype, pin_memory=pin) for c in kv_caches]
         self.block_bytes = sum(c[:, 0].numel() * c.element_size() for c in kv_caches)
         self._stream = torch.cuda.Stream(device) if pin else None
+        # On the CPU, torch's copies would start a second OpenMP team from the copier thread,
+        # and libgomp then stops spinning for every team: the model's ops ran twice as slow.
+        self._copy_blocks = (
+            cpu_kv_cache.copy_blocks if device.type == "cpu" and native.load_library() is not None else reference.copy_blocks
+        )
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload")
         self._jobs: list[tuple[Future, list[str], list[str]]] = []
         self._lock = threading.Lock()
@@ -86,9 +92,16 @@ class OffloadingConnectorWorker:
     def _copy_layers(self, gpu_ids: torch.Tensor, cpu_ids: torch.Tensor, is_load: bool) -> None:
         for gpu_cache, cpu_cache in zip(self.kv_caches, self.cpu_pool):
             if is_load:
-                copy_blocks(cpu_cache, gpu_cache, cpu_ids, gpu_ids)
+                self._copy_blocks(cpu_cache, gpu_cache, cpu_ids, gpu_ids)
             else:
-                copy_blocks(gpu_cache, cpu_cache, gpu_ids, cpu_ids)
+                self._copy_blocks(gpu_cache, cpu_cache, gpu_ids, cpu_ids)
+
+    def wait_for_progress(self, timeout_s: float) -> None:
+        """Block until a queued copy completes, or for ``timeout_s`` at most (returns at once
+        when nothing is queued)."""
+        futures = [future for future, _, _ in self._jobs]
+        if futures:
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def wait_idle(self) -> None:
         """Block until every queued copy has run (shutdown, tests)."""

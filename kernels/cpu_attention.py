@@ -11,37 +11,6 @@ def is_available() -> bool:
     return native.load_library() is not None
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """``kernels.reference.write_kv_cache`` in C: store new keys/values ``[num_tokens,
-    num_kv_heads, head_dim]`` (each token's heads contiguous, tokens may be strided) at their
-    slots; slot ``-1`` skips a token."""
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if value.shape != key.shape or value.dtype != key.dtype or kv_cache.shape[3:] != (num_kv_heads, head_dim):
-        raise ValueError("key, value and the cache disagree on shape or dtype")
-    for name, tensor in {"key": key, "value": value}.items():
-        if tensor.stride(2) != 1 or tensor.stride(1) != head_dim:
-            raise ValueError(f"{name} must have each token's heads contiguous")
-    if not kv_cache.is_contiguous() or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
-        raise ValueError("the cache must be contiguous and slot_mapping contiguous int64")
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"slot_mapping has {slot_mapping.numel()} entries for {num_tokens} tokens")
-    status = native.load_library().write_kv_cache(
-        key.data_ptr(),
-        key.stride(0),
-        value.data_ptr(),
-        value.stride(0),
-        native.DTYPE_CODES[key.dtype],
-        kv_cache.data_ptr(),
-        kv_cache.shape[1] * kv_cache.shape[2],
-        native.DTYPE_CODES[kv_cache.dtype],
-        num_kv_heads * head_dim,
-        slot_mapping.data_ptr(),
-        num_tokens,
-    )
-    if status != 0:
-        raise IndexError(f"slot_mapping points outside the cache's {kv_cache.shape[1] * kv_cache.shape[2]} slots")
-
-
 # What csrc/paged_attention.c handles: 16-float lanes, at most 16 chunks of them per head and
 # 16 query heads per KV head.
 LANES, MAX_HEAD_DIM, MAX_GROUP = 16, 256, 16

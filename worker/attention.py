@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kernels import cpu_attention, reference
+from kernels import cpu_attention, cpu_kv_cache, reference
 
 
 @dataclass
@@ -76,7 +76,7 @@ class CpuAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]``; returns ``[T, H, D]``."""
-        cpu_attention.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        cpu_kv_cache.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         if not cpu_attention.supports(query.shape[1], num_kv_heads, head_dim, block_size):
             return reference.paged_attention(query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)

@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 GPU_MEMORY_UTILIZATION = 0.85
+# Longest an empty step waits for a KV transfer: requests that arrive meanwhile wait this long.
+IDLE_TRANSFER_WAIT_S = 0.02
 
 
 class ModelRunner:
@@ -92,6 +94,11 @@ class ModelRunner:
         if self.offload is not None:
             self.offload.start_transfers(step.kv_connector_metadata)
         if len(rows) == 0:
+            if self.offload is not None:
+                # Every request waits for a transfer: wait for one here rather than have the
+                # engine spin through empty steps (which, in one process, starve the copy
+                # thread of the GIL).
+                self.offload.wait_for_progress(IDLE_TRANSFER_WAIT_S)
             return ModelRunnerOutput(step=step.step, rank=self.tp.rank, kv_connector_output=self._finished_transfers())
         inputs = self.batch.prepare(rows, num_scheduled)
         hidden = self.model(

@@ -1,5 +1,5 @@
-/* Writing new keys and values into the paged cache on the CPU (kernels/reference.py's
- * write_kv_cache, tested against it). */
+/* Writing new keys and values into the paged cache, and copying blocks between caches, on the
+ * CPU (kernels/reference.py's write_kv_cache and copy_blocks, tested against them). */
 #include <stdint.h>
 
 #include "dtypes.h"
@@ -23,6 +23,21 @@ int write_kv_cache(const void *key, int64_t key_stride, const void *value, int64
         store_row(row, cache_dtype, keys + slot * row_width * cache_item, row_width);
         load_row((const char *)value + t * value_stride * item, dtype, row, row_width);
         store_row(row, cache_dtype, values + slot * row_width * cache_item, row_width);
+    }
+    return 0;
+}
+
+/* Block src_ids[i] of `src` to block dst_ids[i] of `dst`, keys and values, one thread. Both
+ * caches are [2, blocks, block_bytes]; they hold src_blocks and dst_blocks blocks. Returns 0, or
+ * -1 (after the copies before it) at an id outside its cache. */
+int copy_blocks(const void *src, int64_t src_blocks, void *dst, int64_t dst_blocks, int64_t block_bytes,
+                const int64_t *src_ids, const int64_t *dst_ids, int64_t count)
+{
+    for (int64_t i = 0; i < count; i++) {
+        if (src_ids[i] < 0 || src_ids[i] >= src_blocks || dst_ids[i] < 0 || dst_ids[i] >= dst_blocks) return -1;
+        for (int part = 0; part < 2; part++)
+            memcpy((char *)dst + (part * dst_blocks + dst_ids[i]) * block_bytes,
+                   (const char *)src + (part * src_blocks + src_ids[i]) * block_bytes, block_bytes);
     }
     return 0;
 }

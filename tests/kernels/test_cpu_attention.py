@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import cpu_attention, reference
+from kernels import cpu_attention
 from paged_batches import BATCHES, LAYOUTS, NUM_KV_HEADS, make_batch
 from worker.attention import CpuAttentionBackend, TorchAttentionBackend, get_attention_backend
 
@@ -101,20 +101,3 @@ def test_cpu_backend_matches_torch_backend():
 def test_cpu_is_the_default_backend_on_cpu():
     assert get_attention_backend(None, torch.device("cpu")).name == "cpu"
 
-
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32_cache", "bf16_cache"])
-def test_kv_write_matches_reference_on_strided_views_with_skips(cache_dtype):
-    torch.manual_seed(3)
-    qkv = torch.randn(6, (4 + 2 * 2) * 16).to(torch.bfloat16)
-    key, value = (t.view(6, 2, 16) for t in qkv[:, 64:].split(32, dim=1))
-    slots = torch.tensor([5, -1, 0, 17, -1, 30])
-    caches = [torch.zeros(2, 2, 16, 2, 16, dtype=cache_dtype) for _ in range(2)]
-    cpu_attention.write_kv_cache(key, value, caches[0], slots)
-    reference.write_kv_cache(key, value, caches[1], slots)
-    assert caches[0].equal(caches[1]) and caches[0].count_nonzero() > 0
-
-
-def test_kv_write_refuses_a_slot_outside_the_cache():
-    key = torch.randn(1, 2, 16)
-    with pytest.raises(IndexError, match="outside"):
-        cpu_attention.write_kv_cache(key, key, torch.zeros(2, 2, 16, 2, 16), torch.tensor([32]))

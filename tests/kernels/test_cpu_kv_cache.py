@@ -1,0 +1,44 @@
+"""The C KV-cache write and block copy (``kernels.cpu_kv_cache``) equal the torch reference."""
+
+import pytest
+import torch
+
+from kernels import cpu_kv_cache, native, reference
+
+pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the CPU kernels")
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32_cache", "bf16_cache"])
+def test_write_matches_reference_on_strided_views_with_skips(cache_dtype):
+    torch.manual_seed(3)
+    qkv = torch.randn(6, (4 + 2 * 2) * 16).to(torch.bfloat16)
+    key, value = (t.view(6, 2, 16) for t in qkv[:, 64:].split(32, dim=1))
+    slots = torch.tensor([5, -1, 0, 17, -1, 30])
+    caches = [torch.zeros(2, 2, 16, 2, 16, dtype=cache_dtype) for _ in range(2)]
+    cpu_kv_cache.write_kv_cache(key, value, caches[0], slots)
+    reference.write_kv_cache(key, value, caches[1], slots)
+    assert caches[0].equal(caches[1]) and caches[0].count_nonzero() > 0
+
+
+def test_write_refuses_a_slot_outside_the_cache():
+    key = torch.randn(1, 2, 16)
+    with pytest.raises(IndexError, match="outside"):
+        cpu_kv_cache.write_kv_cache(key, key, torch.zeros(2, 2, 16, 2, 16), torch.tensor([32]))
+
+
+def test_copy_between_caches_of_different_sizes_matches_reference():
+    torch.manual_seed(4)
+    small = torch.randn(2, 5, 16, 3, 64).to(torch.bfloat16)
+    large = [torch.zeros(2, 12, 16, 3, 64, dtype=torch.bfloat16) for _ in range(2)]
+    src, dst = torch.tensor([4, 0, 2]), torch.tensor([11, 3, 7])
+    cpu_kv_cache.copy_blocks(small, large[0], src, dst)
+    reference.copy_blocks(small, large[1], src, dst)
+    assert large[0].equal(large[1])
+    back = torch.zeros_like(small)
+    cpu_kv_cache.copy_blocks(large[0], back, dst, src)
+    assert back[:, [4, 0, 2]].equal(small[:, [4, 0, 2]]) and back[:, [1, 3]].eq(0).all()
+
+
+def test_copy_refuses_a_block_outside_its_cache():
+    with pytest.raises(IndexError, match="outside"):
+        cpu_kv_cache.copy_blocks(torch.zeros(2, 2, 16, 1, 16), torch.zeros(2, 4, 16, 1, 16), torch.tensor([2]), torch.tensor([0]))
