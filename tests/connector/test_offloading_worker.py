@@ -1,0 +1,56 @@
+"""The worker side of the offloading connector on the CPU: copies through the CPU pool, and
+waiting for them."""
+
+import time
+
+import torch
+
+from connector.offloading_worker import OffloadingConnectorWorker
+from engine_core.protocol import BlockTransfer, KVConnectorMetadata
+
+
+def make_worker(num_layers: int = 2) -> OffloadingConnectorWorker:
+    torch.manual_seed(0)
+    caches = [torch.randn(2, 6, 16, 2, 16).to(torch.bfloat16) for _ in range(num_layers)]
+    return OffloadingConnectorWorker(caches, num_cpu_blocks=4)
+
+
+def finish(worker: OffloadingConnectorWorker) -> tuple[list[str], list[str]]:
+    worker.wait_idle()
+    output = worker.get_finished()
+    assert output is not None
+    return output.finished_sending, output.finished_recving
+
+
+def test_stored_blocks_load_back_into_other_blocks():
+    worker = make_worker()
+    originals = [cache[:, [1, 4]].clone() for cache in worker.kv_caches]
+    worker.start_transfers(KVConnectorMetadata(stores=[BlockTransfer("s", [1, 4], [3, 0])]))
+    assert finish(worker) == (["s"], [])
+    for cache in worker.kv_caches:
+        cache.zero_()
+    worker.start_transfers(KVConnectorMetadata(loads=[BlockTransfer("l", [5, 2], [3, 0])]))
+    assert finish(worker) == ([], ["l"])
+    for cache, original in zip(worker.kv_caches, originals):
+        assert cache[:, [5, 2]].equal(original)
+        assert cache[:, [0, 1, 3, 4]].eq(0).all()
+    worker.shutdown()
+
+
+def test_waiting_for_progress_returns_when_a_copy_finishes():
+    worker = make_worker(num_layers=30)
+    worker.start_transfers(KVConnectorMetadata(stores=[BlockTransfer("s", [0, 1, 2, 3], [0, 1, 2, 3])]))
+    started = time.monotonic()
+    worker.wait_for_progress(timeout_s=10.0)
+    assert time.monotonic() - started < 5.0
+    output = worker.get_finished()
+    assert output is not None and output.finished_sending == ["s"]
+    worker.shutdown()
+
+
+def test_waiting_for_progress_with_nothing_queued_returns_at_once():
+    worker = make_worker()
+    started = time.monotonic()
+    worker.wait_for_progress(timeout_s=10.0)
+    assert time.monotonic() - started < 1.0
+    worker.shutdown()
