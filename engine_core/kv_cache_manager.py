@@ -43,6 +43,11 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
+    @property
+    def num_releasable_blocks(self) -> int:
+        """Blocks that releasing every hold would free (held, and used by nothing else)."""
+        return sum(1 for table in self.held.values() for block in table if block.ref_count == 1)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

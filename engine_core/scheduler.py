@@ -82,6 +82,9 @@ class Scheduler:
         self._arrivals = 0
         self._step = 0
         self._scheduled: list[Request] = []
+        # Held blocks (a connector's copies still read them; free within a step or so) that
+        # requests short of blocks are waiting for this step, instead of preempting more.
+        self._awaited_held_blocks = 0
         # Handles of finished requests stay reserved for a step, so twice max_num_seqs suffice.
         self._free_handles = list(range(config.max_num_seqs * 2 - 1, -1, -1))
         self._released_handles: list[int] = []  # finished; the workers hear of it next step
@@ -163,6 +166,7 @@ class Scheduler:
         output = SchedulerOutput(step=self._step, finished_handles=self._released_handles)
         self._free_handles.extend(self._released_handles)
         self._released_handles = []
+        self._awaited_held_blocks = 0
         self._guard_starvation(output)
 
         preempted_by_guard = len(output.preempted_handles)
@@ -218,14 +222,21 @@ class Scheduler:
         self, request: Request, num_new: int, output: SchedulerOutput
     ) -> list[KVCacheBlock] | None:
         """Blocks for a running request, preempting from the back of ``running`` until they
-        fit. None if the request itself was preempted or can never fit (then it is finished
-        with an error but still in ``running``: the caller filters)."""
+        fit. None if the request itself was preempted, can never fit (then it is finished with
+        an error but still in ``running``: the caller filters), or waits this step for blocks a
+        connector's copy still holds (it stays running): preempting more would free nothing
+        sooner than those copies finish."""
         while True:
             new_blocks = self.kv.allocate_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks
-            if self.kv.blocks_needed(request.num_computed_tokens + num_new) > self.kv.num_blocks:
+            needed = self.kv.blocks_needed(request.num_computed_tokens + num_new)
+            if needed > self.kv.num_blocks:
                 self._finish_unfittable(request)
+                return None
+            missing = needed - len(self.kv.get_block_ids(request.request_id)) - self.kv.num_free_blocks
+            if missing <= self.kv.num_releasable_blocks - self._awaited_held_blocks:
+                self._awaited_held_blocks += missing
                 return None
             victim = self.running.pop()
             self._preempt(victim, output)

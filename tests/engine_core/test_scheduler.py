@@ -258,3 +258,31 @@ def test_connector_can_hold_blocks_until_its_store_finishes(make_request):
     scheduler.update_from_output(out, stored)
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
     scheduler.check_invariants()
+
+
+class FlushOnPreemptConnector(SchedulerConnector):
+    """Holds a preempted request's blocks until its (pretend) store to the CPU tier finishes."""
+
+    def request_preempted(self, request, block_ids):
+        return f"flush-{request.request_id}"
+
+
+def test_requests_wait_for_a_held_victims_blocks_instead_of_preempting_more(make_request):
+    scheduler = make_scheduler(num_blocks=6, block_size=4, connector=FlushOnPreemptConnector())
+    runner = FakeRunner(4)
+    first, second, third = (make_request(8, max_tokens=20) for _ in range(3))
+    for request in (first, second, third):
+        scheduler.add_request(request)
+    step(scheduler, runner, {}, {})  # three prefills fill the pool: two blocks each
+    out, _ = step(scheduler, runner, {}, {})  # every decode needs a third block
+    assert out.preempted_handles and scheduler.num_preemptions == 1
+    assert third.status == RequestStatus.PREEMPTED
+    assert first.status == second.status == RequestStatus.RUNNING
+    assert scheduled_tokens(out) == {}, "the two left should wait for the held blocks"
+    out = scheduler.schedule()  # the flush finishes during this step
+    flushed = runner.execute(out)
+    flushed.kv_connector_output = KVConnectorOutput(finished_sending=[f"flush-{third.request_id}"])
+    scheduler.update_from_output(out, flushed)
+    out, _ = step(scheduler, runner, {}, {})
+    assert len(scheduled_tokens(out)) == 2 and scheduler.num_preemptions == 1
+    scheduler.check_invariants()
