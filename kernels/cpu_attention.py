@@ -34,17 +34,15 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    seqs: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    """Write into ``out`` ``[num_tokens, num_heads, head_dim]`` the causal attention of the new
-    tokens of the sequences ``seqs`` (int32 indices into the batch) over their paged context;
-    other rows of ``out`` are left as they are. The new tokens' K/V must already be in the cache.
+) -> torch.Tensor:
+    """Causal attention ``[num_tokens, num_heads, head_dim]`` (query's dtype) of each sequence's
+    new tokens over its paged context; the new tokens' K/V must already be in the cache.
     ``query`` may be a strided view as long as its last dimension is contiguous."""
     library = native.load_library()
     if library is None:
         raise RuntimeError("the C kernels are not available on this machine (see kernels.native)")
-    _check(query, kv_cache, block_tables, query_start_loc, seq_lens, seqs, out)
+    _check(query, kv_cache, block_tables, query_start_loc, seq_lens)
+    out = torch.empty(query.shape, dtype=query.dtype)
     status = library.paged_attention(
         query.data_ptr(),
         query.stride(0),
@@ -60,8 +58,7 @@ def paged_attention(
         block_tables.stride(0),
         query_start_loc.data_ptr(),
         seq_lens.data_ptr(),
-        seqs.data_ptr(),
-        seqs.numel(),
+        seq_lens.numel(),
         query.shape[1],
         scale,
         out.data_ptr(),
@@ -69,6 +66,7 @@ def paged_attention(
     )
     if status != 0:
         raise MemoryError("paged_attention kernel could not allocate its work list")
+    return out
 
 
 def _check(
@@ -77,22 +75,18 @@ def _check(
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
-    seqs: torch.Tensor,
-    out: torch.Tensor,
 ) -> None:
     # The kernel trusts its pointers: every layout assumption is checked here.
-    for name, tensor in {"kv_cache": kv_cache, "query_start_loc": query_start_loc, "seq_lens": seq_lens, "seqs": seqs, "out": out}.items():
+    for name, tensor in {"kv_cache": kv_cache, "query_start_loc": query_start_loc, "seq_lens": seq_lens}.items():
         if not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise ValueError(f"{name} must be a contiguous CPU tensor")
-    for name, tensor in {"block_tables": block_tables, "query_start_loc": query_start_loc, "seq_lens": seq_lens, "seqs": seqs}.items():
+    for name, tensor in {"block_tables": block_tables, "query_start_loc": query_start_loc, "seq_lens": seq_lens}.items():
         if tensor.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {tensor.dtype}")
     if block_tables.stride(1) != 1 or query.stride(2) != 1:
         raise ValueError("block_tables rows and query heads must be contiguous")
     if query.dtype not in native.DTYPE_CODES or kv_cache.dtype not in native.DTYPE_CODES:
         raise ValueError(f"unsupported dtypes: query {query.dtype}, cache {kv_cache.dtype}")
-    if out.shape != query.shape or out.dtype != query.dtype:
-        raise ValueError("out must have the query's shape and dtype")
     num_heads, (_, _, block_size, num_kv_heads, head_dim) = query.shape[1], kv_cache.shape
     if not supports(num_heads, num_kv_heads, head_dim, block_size):
         raise ValueError(

@@ -5,7 +5,6 @@ that layer's cache and attends. Backends differ only in which kernels they run.
 """
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -23,8 +22,8 @@ class AttentionMetadata:
     # Host-side maxima, when the caller has them: they spare the Triton backend a device sync.
     max_query_len: int | None = None
     max_seq_len: int | None = None
-    # A backend's per-step index work, built at the first layer and reused by the rest.
-    plan: Any = None
+    # The torch backend's per-step index work, built at the first layer and reused by the rest.
+    reference_plan: reference.AttentionPlan | None = None
 
 
 class TorchAttentionBackend:
@@ -43,10 +42,12 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]``; returns ``[T, H, D]``."""
         reference.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-        if meta.plan is None:
-            meta.plan = reference.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, kv_cache.shape[2])
+        if meta.reference_plan is None:
+            meta.reference_plan = reference.plan_attention(
+                meta.block_tables, meta.query_start_loc, meta.seq_lens, kv_cache.shape[2]
+            )
         return reference.paged_attention(
-            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, meta.plan
+            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, meta.reference_plan
         )
 
     @staticmethod
@@ -80,13 +81,9 @@ class CpuAttentionBackend:
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         if not cpu_attention.supports(query.shape[1], num_kv_heads, head_dim, block_size):
             return reference.paged_attention(query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
-        if meta.plan is None:
-            meta.plan = torch.arange(meta.seq_lens.numel(), dtype=torch.int32)
-        out = torch.empty(query.shape, dtype=query.dtype)
-        cpu_attention.paged_attention(
-            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, meta.plan, out
+        return cpu_attention.paged_attention(
+            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
         )
-        return out
 
     @staticmethod
     def cache_dtype(model_dtype: torch.dtype) -> torch.dtype:
