@@ -19,8 +19,12 @@ def rms_norm(
     """``(weight * norm(x + residual), x + residual)`` over the last dimension; the sum is written
     into ``residual`` in place (without a residual, ``x`` itself is the second result)."""
     _require_contiguous(x, weight, *([residual] if residual is not None else []))
-    out = torch.empty_like(x)
     width = x.shape[-1]
+    if weight.shape != (width,) or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be [{width}] of {x.dtype}, got {list(weight.shape)} of {weight.dtype}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError("residual must have x's shape and dtype")
+    out = torch.empty_like(x)
     native.load_library().rms_norm(
         x.data_ptr(),
         None if residual is None else residual.data_ptr(),
@@ -59,6 +63,8 @@ def rotary_embedding_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
     _require_contiguous(gate_up)
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dimension ({gate_up.shape[-1]}) must be even: [gate | up]")
     width = gate_up.shape[-1] // 2
     out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype)
     native.load_library().silu_and_mul(

@@ -79,3 +79,9 @@ def test_strided_inputs_are_refused():
     x = torch.randn(4, 64)[:, ::2]
     with pytest.raises(ValueError, match="contiguous"):
         cpu_layers.rms_norm(x, None, torch.ones(32), 1e-6)
+
+
+def test_a_weight_of_another_dtype_is_refused():
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="weight"):
+        cpu_layers.rms_norm(x, None, torch.ones(32), 1e-6)
