@@ -6,7 +6,9 @@
  * KV head). An item walks its context 16 positions at a time: the 16 key rows are converted
  * once and shared by every query row of the item (its tokens x the query heads of the KV
  * head), each query row's 16 dot products are summed by a shuffle tree instead of 16
- * horizontal reductions, and each value row is converted once and added into every row.
+ * horizontal reductions, and each value row is converted once and added into every row. The
+ * next tile's rows are prefetched meanwhile: its block can be anywhere in the cache, and decode
+ * attention is bound by these reads.
  */
 #include <math.h>
 #include <stdint.h>
