@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import reference
-from worker.attention import AttentionMetadata
+from worker.attention import AttentionMetadata, TorchAttentionBackend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUM_KV_HEADS = 2
@@ -81,3 +81,20 @@ def make_batch(
         max_seq_len=max(seq_lens),
     )
     return Batch(query.to(DEVICE), kv_cache.to(DEVICE), meta, head_dim**-0.5)
+
+
+def forward_beside_torch_backend(backend, b: Batch) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Run ``backend`` and the torch backend on ``b`` as the model calls them (strided q/k/v
+    views of one projection, K/V written first), each on its own copy of the cache. Returns
+    (the two caches, the two outputs), ``backend``'s first."""
+    num_tokens, num_heads, head_dim = b.query.shape
+    qkv = torch.randn(num_tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim).to(b.query.dtype).to(DEVICE)
+    query, key, value = qkv.split([num_heads * head_dim, *[NUM_KV_HEADS * head_dim] * 2], dim=1)
+    query = query.view(num_tokens, num_heads, head_dim)
+    key, value = (t.view(num_tokens, NUM_KV_HEADS, head_dim) for t in (key, value))
+    caches = b.kv_cache, b.kv_cache.clone()
+    outs = tuple(
+        each.forward(query, key, value, cache, b.meta, b.scale)
+        for each, cache in zip((backend, TorchAttentionBackend()), caches)
+    )
+    return caches, outs

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kernels import cpu_attention
-from paged_batches import BATCHES, LAYOUTS, NUM_KV_HEADS, make_batch
-from worker.attention import CpuAttentionBackend, TorchAttentionBackend, get_attention_backend
+from paged_batches import BATCHES, LAYOUTS, NUM_KV_HEADS, forward_beside_torch_backend, make_batch
+from worker.attention import CpuAttentionBackend, get_attention_backend
 
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # Contexts longer than one 16-position tile and not a multiple of it, beside decodes.
@@ -65,16 +65,7 @@ def test_cpu_backend_matches_torch_backend():
     """Whole forward: strided q/k/v views of one projection, K/V written, then attention."""
     group, head_dim = 3, 64
     b = make_batch(*LONG_BATCH, group, head_dim, 16, torch.bfloat16)
-    num_tokens, num_heads = b.query.shape[0], NUM_KV_HEADS * group
-    qkv = torch.randn(num_tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim).to(torch.bfloat16)
-    query, key, value = qkv.split([num_heads * head_dim, *[NUM_KV_HEADS * head_dim] * 2], dim=1)
-    query = query.view(num_tokens, num_heads, head_dim)
-    key, value = (t.view(num_tokens, NUM_KV_HEADS, head_dim) for t in (key, value))
-    caches = b.kv_cache, b.kv_cache.clone()
-    outs = [
-        backend.forward(query, key, value, cache, b.meta, b.scale)
-        for backend, cache in zip((CpuAttentionBackend(), TorchAttentionBackend()), caches)
-    ]
+    caches, outs = forward_beside_torch_backend(CpuAttentionBackend(), b)
     torch.testing.assert_close(caches[0], caches[1], atol=0, rtol=0)
     assert_close(outs[0], outs[1])
 

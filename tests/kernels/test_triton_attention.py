@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kernels import triton_attention
-from paged_batches import BATCHES, DEVICE, LAYOUTS, NUM_KV_HEADS, make_batch
-from worker.attention import TorchAttentionBackend, TritonAttentionBackend, get_attention_backend
+from paged_batches import BATCHES, LAYOUTS, forward_beside_torch_backend, make_batch
+from worker.attention import TritonAttentionBackend, get_attention_backend
 
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
@@ -61,17 +61,7 @@ def test_triton_backend_matches_torch_backend():
     """Whole forward: strided q/k/v views of one projection, K/V written, then attention."""
     group, head_dim = 3, 80
     b = make_batch(*BATCHES["mixed"], group, head_dim, 16, torch.float32)
-    num_tokens, num_heads = b.query.shape[0], NUM_KV_HEADS * group
-    qkv = torch.randn(num_tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim, device=DEVICE)
-    query, key, value = qkv.split([num_heads * head_dim, *[NUM_KV_HEADS * head_dim] * 2], dim=1)
-    query = query.view(num_tokens, num_heads, head_dim)
-    key, value = (t.view(num_tokens, NUM_KV_HEADS, head_dim) for t in (key, value))
-
-    caches = b.kv_cache, b.kv_cache.clone()
-    outs = [
-        backend.forward(query, key, value, cache, b.meta, b.scale)
-        for backend, cache in zip((TritonAttentionBackend(), TorchAttentionBackend()), caches)
-    ]
+    caches, outs = forward_beside_torch_backend(TritonAttentionBackend(), b)
     torch.testing.assert_close(caches[0], caches[1], atol=0, rtol=0)
     assert_close(outs[0], outs[1])
 
