@@ -1,4 +1,5 @@
-"""Torch reference kernels: the CPU path and the oracle the Triton kernels are tested against.
+"""Torch reference kernels: the oracle the Triton and C kernels are tested against, and the CPU
+path where the C kernels cannot build.
 
 Layouts shared by every backend:
 - ``kv_cache``: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``

@@ -27,7 +27,7 @@ class AttentionMetadata:
 
 
 class TorchAttentionBackend:
-    """The torch reference kernels: the CPU path."""
+    """The torch reference kernels: the oracle, and the CPU path where the C kernels cannot build."""
 
     name = "torch"
 
