@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from connector.policies import make_policy
+from strata.connector.policies import make_policy
 
 
 class BlocksStored(msgspec.Struct, array_like=True, tag="stored"):

@@ -25,17 +25,17 @@ asks again next step, when the first request's blocks serve it from the GPU pref
 import itertools
 from dataclasses import dataclass
 
-from connector.cpu_tier import CPUTier, OffloadEvent
-from engine_core.block_hash import extend_block_hashes
-from engine_core.kv_connector import SchedulerConnector
-from engine_core.protocol import (
+from strata.connector.cpu_tier import CPUTier, OffloadEvent
+from strata.engine_core.block_hash import extend_block_hashes
+from strata.engine_core.kv_connector import SchedulerConnector
+from strata.engine_core.protocol import (
     BlockTransfer,
     KVConnectorMetadata,
     KVConnectorOutput,
     SchedulerOutput,
     unpack_handles,
 )
-from engine_core.request import Request
+from strata.engine_core.request import Request
 
 
 @dataclass

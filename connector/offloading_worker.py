@@ -15,8 +15,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
-from engine_core.protocol import BlockTransfer, KVConnectorMetadata, KVConnectorOutput
-from kernels import cpu_kv_cache, native, reference
+from strata.engine_core.protocol import BlockTransfer, KVConnectorMetadata, KVConnectorOutput
+from strata.kernels import cpu_kv_cache, native, reference
 
 
 class OffloadingConnectorWorker:

@@ -12,9 +12,9 @@ import threading
 import msgspec
 import zmq
 
-from engine_core.engine_core import EngineCore
-from engine_core.ipc import make_socket
-from engine_core.protocol import (
+from strata.engine_core.engine_core import EngineCore
+from strata.engine_core.ipc import make_socket
+from strata.engine_core.protocol import (
     AbortRequests,
     CoreMessage,
     EngineCoreOutputs,

@@ -1,6 +1,6 @@
 """The EngineCore: scheduler + executor, one step at a time.
 
-This module is the loop body; ``engine_core.process`` runs it in its own process behind
+This module is the loop body; ``launch/engine/engine_process.py`` runs it in its own process behind
 ZeroMQ sockets. An executor is anything that runs a ``SchedulerOutput`` on the workers.
 """
 
@@ -10,10 +10,10 @@ from typing import Protocol
 
 import msgspec
 
-from engine_core.kv_connector import SchedulerConnector
-from engine_core.protocol import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
-from engine_core.request import Request
-from engine_core.scheduler import Scheduler, SchedulerConfig
+from strata.engine_core.kv_connector import SchedulerConnector
+from strata.engine_core.protocol import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from strata.engine_core.request import Request
+from strata.engine_core.scheduler import Scheduler, SchedulerConfig
 
 
 class Executor(Protocol):

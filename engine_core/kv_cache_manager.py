@@ -4,9 +4,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine_core.block_hash import extend_block_hashes
-from engine_core.block_pool import BlockPool, KVCacheBlock
-from engine_core.request import Request
+from strata.engine_core.block_hash import extend_block_hashes
+from strata.engine_core.block_pool import BlockPool, KVCacheBlock
+from strata.engine_core.request import Request
 
 
 @dataclass

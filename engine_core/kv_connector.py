@@ -6,8 +6,8 @@ beyond the local prefix hit, tells it which blocks were allocated, collects the 
 transfer metadata for the workers, and hears back which transfers finished.
 """
 
-from engine_core.protocol import KVConnectorMetadata, KVConnectorOutput, SchedulerOutput
-from engine_core.request import Request
+from strata.engine_core.protocol import KVConnectorMetadata, KVConnectorOutput, SchedulerOutput
+from strata.engine_core.request import Request
 
 
 class SchedulerConnector:

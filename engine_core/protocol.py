@@ -14,7 +14,7 @@ from array import array
 
 import msgspec
 
-from engine_core.sampling_params import SamplingParams
+from strata.engine_core.sampling_params import SamplingParams
 
 HANDLE_TYPECODE = "H"  # uint16 handles, packed little-endian into bytes
 TOKEN_TYPECODE = "i"  # int32 token ids

@@ -3,7 +3,7 @@
 import enum
 from dataclasses import dataclass, field
 
-from engine_core.sampling_params import SamplingParams
+from strata.engine_core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

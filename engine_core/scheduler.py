@@ -12,10 +12,10 @@ from collections.abc import Callable
 from bisect import insort
 from dataclasses import dataclass
 
-from engine_core.block_pool import KVCacheBlock
-from engine_core.kv_cache_manager import KVCacheManager
-from engine_core.kv_connector import SchedulerConnector
-from engine_core.protocol import (
+from strata.engine_core.block_pool import KVCacheBlock
+from strata.engine_core.kv_cache_manager import KVCacheManager
+from strata.engine_core.kv_connector import SchedulerConnector
+from strata.engine_core.protocol import (
     CachedRequestData,
     EngineCoreOutputs,
     FinishedRequest,
@@ -27,7 +27,7 @@ from engine_core.protocol import (
     pack_handles,
     unpack_tokens,
 )
-from engine_core.request import FINISH_REASONS, Request, RequestStatus
+from strata.engine_core.request import FINISH_REASONS, Request, RequestStatus
 
 MAX_HANDLES = 1 << 16
 RUNNING = RequestStatus.RUNNING

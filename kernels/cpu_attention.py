@@ -3,7 +3,7 @@ semantics as ``kernels.reference.paged_attention``)."""
 
 import torch
 
-from kernels import native
+from strata.kernels import native
 
 
 def is_available() -> bool:

@@ -3,7 +3,7 @@ semantics as ``kernels.reference.write_kv_cache`` and ``copy_blocks``)."""
 
 import torch
 
-from kernels import native
+from strata.kernels import native
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -4,7 +4,7 @@ they replace on the CPU and are tested against."""
 
 import torch
 
-from kernels import native
+from strata.kernels import native
 
 
 def handles(x: torch.Tensor) -> bool:

@@ -1,17 +1,8 @@
-"""Frontends and launchers: ``LLM`` (offline), the ``strata`` CLI, the OpenAI-compatible server.
+"""Frontends and launchers, above the engine's packages.
 
-``LLM`` is imported lazily: the EngineCore process lives in this package too and must start
-without torch or transformers.
+Here: the ``strata`` CLI (``cli``), the offline ``LLM`` API (``llm``) and the async one
+(``async_engine``), with their engine arguments and output processing. Rooms below:
+``engine/`` starts the EngineCore process and talks to it, ``executors/`` runs the workers
+(in process, as local processes, on Ray), ``server/`` is the OpenAI-compatible HTTP server,
+``bench/`` holds the benchmarks.
 """
-
-from engine_core.sampling_params import SamplingParams
-
-__all__ = ["LLM", "SamplingParams"]
-
-
-def __getattr__(name: str):
-    if name == "LLM":
-        from launch.llm import LLM
-
-        return LLM
-    raise AttributeError(name)

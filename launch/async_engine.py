@@ -13,12 +13,12 @@ from typing import TypeVar
 
 from transformers import AutoTokenizer
 
-from engine_core.protocol import EngineCoreOutputs, SchedulerStats
-from engine_core.sampling_params import SamplingParams
-from launch.core_client import AsyncCoreClient, EngineDeadError
-from launch.engine_args import EngineArgs, ResolvedConfig, resolve
-from launch.output_processor import CompletionDelta, OutputProcessor
-from launch.outputs import RequestOutput
+from strata.engine_core.protocol import EngineCoreOutputs, SchedulerStats
+from strata.engine_core.sampling_params import SamplingParams
+from strata.launch.engine.core_client import AsyncCoreClient, EngineDeadError
+from strata.launch.engine_args import EngineArgs, ResolvedConfig, resolve
+from strata.launch.output_processor import CompletionDelta, OutputProcessor
+from strata.launch.outputs import RequestOutput
 
 T = TypeVar("T")
 

@@ -12,11 +12,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
-from engine_core.sampling_params import SamplingParams
-from launch import bench_offload, bench_scheduler, bench_serve, bench_throughput, generate, ray_launcher, server
-from launch.engine_args import EngineArgs
-from launch.llm import LLM
-from launch.server_app import DEFAULT_MAX_REQUEST_BYTES, AppOptions
+from strata.engine_core.sampling_params import SamplingParams
+from strata.launch import generate
+from strata.launch.bench import offload as bench_offload
+from strata.launch.bench import scheduler as bench_scheduler
+from strata.launch.bench import serve as bench_serve
+from strata.launch.bench import throughput as bench_throughput
+from strata.launch.executors import ray_launcher
+from strata.launch.server import serve as server
+from strata.launch.engine_args import EngineArgs
+from strata.launch.llm import LLM
+from strata.launch.server.app import DEFAULT_MAX_REQUEST_BYTES, AppOptions
 
 USAGE_ERROR = 2
 

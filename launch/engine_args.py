@@ -6,9 +6,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_core.kv_connector import SchedulerConnector
-from engine_core.scheduler import SchedulerConfig
-from worker.config import WorkerConfig
+from strata.engine_core.kv_connector import SchedulerConnector
+from strata.engine_core.scheduler import SchedulerConfig
+from strata.worker.config import WorkerConfig
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 RAY_PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
@@ -118,7 +118,7 @@ def make_offload_connector(
     """The scheduler side of the CPU offload tier, if the workers made one (``num_cpu_blocks``)."""
     if not num_cpu_blocks:
         return None
-    from connector.offloading_scheduler import OffloadingConnectorScheduler
+    from strata.connector.offloading_scheduler import OffloadingConnectorScheduler
 
     offload_block_size = worker.kv_offload_block_size or scheduler.block_size
     return OffloadingConnectorScheduler(scheduler.block_size, offload_block_size, num_cpu_blocks, policy)
@@ -126,7 +126,7 @@ def make_offload_connector(
 
 def resolve(args: EngineArgs) -> ResolvedConfig:
     """Locate the model (converting the default GGUF once) and derive every config from it."""
-    from worker.model_loader import resolve_model_path  # torch-heavy: only when actually building
+    from strata.worker.model_loader import resolve_model_path  # torch-heavy: only when actually building
 
     path = resolve_model_path(args.model)
     model_config = json.loads((path / "config.json").read_text())

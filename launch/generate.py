@@ -2,9 +2,9 @@
 
 import json
 
-from engine_core.sampling_params import SamplingParams
-from launch.llm import LLM
-from launch.outputs import RequestOutput
+from strata.engine_core.sampling_params import SamplingParams
+from strata.launch.llm import LLM
+from strata.launch.outputs import RequestOutput
 
 
 def run(llm: LLM, prompts: list[str], params: SamplingParams, *, chat: bool, as_json: bool, progress: bool) -> None:

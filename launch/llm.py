@@ -6,12 +6,12 @@ from collections.abc import Sequence
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from engine_core.protocol import SchedulerStats
-from engine_core.sampling_params import SamplingParams
-from launch.engine_args import EngineArgs, resolve
-from launch.engine_client import start_engine
-from launch.output_processor import OutputProcessor
-from launch.outputs import RequestOutput
+from strata.engine_core.protocol import SchedulerStats
+from strata.engine_core.sampling_params import SamplingParams
+from strata.launch.engine_args import EngineArgs, resolve
+from strata.launch.engine.engine_client import start_engine
+from strata.launch.output_processor import OutputProcessor
+from strata.launch.outputs import RequestOutput
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -78,7 +78,10 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> None:
         pending = set(request_ids)
-        with tqdm(total=len(request_ids), disable=not use_tqdm, desc="Generating") as progress:
+        # disable=None: no bar at all when stderr is not a terminal (a log file); at most two
+        # redraws a second when it is.
+        bar = tqdm(total=len(request_ids), disable=None if use_tqdm else True, mininterval=0.5, desc="Generating")
+        with bar as progress:
             while pending:
                 outputs = self.engine.get_output()
                 self.stats = outputs.stats or self.stats

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import msgspec
 from transformers import PreTrainedTokenizerBase
 
-from engine_core.protocol import EngineCoreOutputs, EngineCoreRequest
-from engine_core.sampling_params import SamplingParams
-from launch.detokenizer import IncrementalDetokenizer
-from launch.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from strata.engine_core.protocol import EngineCoreOutputs, EngineCoreRequest
+from strata.engine_core.sampling_params import SamplingParams
+from strata.launch.detokenizer import IncrementalDetokenizer
+from strata.launch.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 @dataclass

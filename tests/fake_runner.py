@@ -4,8 +4,8 @@ a deterministic function of the request's whole token history."""
 
 from dataclasses import dataclass, field
 
-from engine_core.protocol import ModelRunnerOutput, SchedulerOutput, pack_tokens, unpack_handles
-from engine_core.scheduler import Scheduler
+from strata.engine_core.protocol import ModelRunnerOutput, SchedulerOutput, pack_tokens, unpack_handles
+from strata.engine_core.scheduler import Scheduler
 
 
 @dataclass

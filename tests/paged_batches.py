@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
-from worker.attention import AttentionMetadata, TorchAttentionBackend
+from strata.kernels import reference
+from strata.worker.attention import AttentionMetadata, TorchAttentionBackend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUM_KV_HEADS = 2

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_attention, cpu_kv_cache, reference
+from strata.kernels import cpu_attention, cpu_kv_cache, reference
 
 
 @dataclass
@@ -97,7 +97,7 @@ class TritonAttentionBackend:
 
     def __init__(self) -> None:
         # Imported here so that the torch path never needs Triton to compile anything.
-        from kernels import triton_attention, triton_kv_cache
+        from strata.kernels import triton_attention, triton_kv_cache
 
         self._attention = triton_attention
         self._kv_cache = triton_kv_cache

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine_core.block_hash import hash_block, ROOT_HASH
-from engine_core.protocol import NewRequestData
+from strata.engine_core.block_hash import hash_block, ROOT_HASH
+from strata.engine_core.protocol import NewRequestData
 
 
 @dataclass

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedConfig
 
-from kernels import cpu_layers
-from worker.attention import AttentionMetadata
-from worker.parallel_state import TensorParallel
-from worker.tp_layers import (
+from strata.kernels import cpu_layers
+from strata.worker.attention import AttentionMetadata
+from strata.worker.parallel_state import TensorParallel
+from strata.worker.tp_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,

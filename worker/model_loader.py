@@ -21,9 +21,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-from worker.llama import SUPPORTED_MODEL_TYPES, AttentionBackend, LlamaForCausalLM
-from worker.parallel_state import TensorParallel
-from worker.tp_layers import TensorSource
+from strata.worker.llama import SUPPORTED_MODEL_TYPES, AttentionBackend, LlamaForCausalLM
+from strata.worker.parallel_state import TensorParallel
+from strata.worker.tp_layers import TensorSource
 
 logger = logging.getLogger(__name__)
 

@@ -7,15 +7,15 @@ import os
 import numpy as np
 import torch
 
-from connector.offloading_worker import OffloadingConnectorWorker
-from engine_core.protocol import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput, pack_tokens
-from worker.attention import AttentionMetadata, get_attention_backend
-from worker.config import WorkerConfig
-from worker.input_batch import InputBatch, StepInputs
-from worker.cpu_memory import keep_freed_memory
-from worker.model_loader import load_model, resolve_dtype
-from worker.parallel_state import TensorParallel
-from worker.sampler import SamplingMetadata, sample
+from strata.connector.offloading_worker import OffloadingConnectorWorker
+from strata.engine_core.protocol import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput, pack_tokens
+from strata.worker.attention import AttentionMetadata, get_attention_backend
+from strata.worker.config import WorkerConfig
+from strata.worker.input_batch import InputBatch, StepInputs
+from strata.worker.cpu_memory import keep_freed_memory
+from strata.worker.model_loader import load_model, resolve_dtype
+from strata.worker.parallel_state import TensorParallel
+from strata.worker.sampler import SamplingMetadata, sample
 
 logger = logging.getLogger(__name__)
 

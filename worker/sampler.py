@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_core.protocol import TokenLogprobs
+from strata.engine_core.protocol import TokenLogprobs
 
 _MASK_53 = (1 << 53) - 1
 

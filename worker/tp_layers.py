@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.parallel_state import TensorParallel
+from strata.worker.parallel_state import TensorParallel
 
 
 class TensorSource(Protocol):

@@ -1,4 +1,4 @@
-"""A tensor-parallel worker process: ``python -m worker.worker_process`` with its config
+"""A tensor-parallel worker process: ``python -m strata.worker.worker_process`` with its config
 (msgpack) on stdin. It runs every step the executor broadcasts and answers on the results
 socket; rank 0's answer carries the sampled tokens."""
 
@@ -10,11 +10,11 @@ import msgspec
 import torch
 import zmq
 
-from engine_core.ipc import die_with_parent, make_socket
-from engine_core.protocol import ExecutorMessage, ModelRunnerOutput, Shutdown, WorkerFailed, WorkerReady
-from worker.config import WorkerConfig
-from worker.model_runner import ModelRunner, default_num_threads
-from worker.parallel_state import init_tensor_parallel
+from strata.engine_core.ipc import die_with_parent, make_socket
+from strata.engine_core.protocol import ExecutorMessage, ModelRunnerOutput, Shutdown, WorkerFailed, WorkerReady
+from strata.worker.config import WorkerConfig
+from strata.worker.model_runner import ModelRunner, default_num_threads
+from strata.worker.parallel_state import init_tensor_parallel
 
 logger = logging.getLogger("worker")
 

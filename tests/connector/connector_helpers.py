@@ -5,8 +5,8 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from connector.offloading_scheduler import OffloadingConnectorScheduler
-from engine_core.protocol import (
+from strata.connector.offloading_scheduler import OffloadingConnectorScheduler
+from strata.engine_core.protocol import (
     BlockTransfer,
     EngineCoreOutputs,
     KVConnectorOutput,
@@ -14,9 +14,9 @@ from engine_core.protocol import (
     SchedulerOutput,
     unpack_handles,
 )
-from engine_core.request import Request
-from engine_core.sampling_params import SamplingParams
-from engine_core.scheduler import Scheduler, SchedulerConfig
+from strata.engine_core.request import Request
+from strata.engine_core.sampling_params import SamplingParams
+from strata.engine_core.scheduler import Scheduler, SchedulerConfig
 
 # The persistent-batch fake worker of the scheduler tests, extended here rather than copied.
 from fake_runner import FakeRunner, Result, Row, next_token, step

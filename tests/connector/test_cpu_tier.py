@@ -1,6 +1,6 @@
 """The CPU tier's index: hits only when ready, no eviction of blocks a copy uses, no leaks."""
 
-from connector.cpu_tier import BlocksRemoved, BlocksStored, CPUTier
+from strata.connector.cpu_tier import BlocksRemoved, BlocksStored, CPUTier
 
 
 def keys(*names: str) -> list[bytes]:

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from connector.cpu_tier import BlocksRemoved, BlocksStored
-from connector.offloading_scheduler import OffloadingConnectorScheduler
+from strata.connector.cpu_tier import BlocksRemoved, BlocksStored
+from strata.connector.offloading_scheduler import OffloadingConnectorScheduler
 from connector_helpers import OffloadEngine, expected_output, make_engine, make_request
-from engine_core.block_hash import extend_block_hashes
-from engine_core.kv_connector import SchedulerConnector
-from engine_core.request import RequestStatus
+from strata.engine_core.block_hash import extend_block_hashes
+from strata.engine_core.kv_connector import SchedulerConnector
+from strata.engine_core.request import RequestStatus
 
 PROMPT = list(range(10, 30))  # 20 tokens: five full GPU blocks of 4
 

@@ -5,8 +5,8 @@ import time
 
 import torch
 
-from connector.offloading_worker import OffloadingConnectorWorker
-from engine_core.protocol import BlockTransfer, KVConnectorMetadata
+from strata.connector.offloading_worker import OffloadingConnectorWorker
+from strata.engine_core.protocol import BlockTransfer, KVConnectorMetadata
 
 
 def make_worker(num_layers: int = 2) -> OffloadingConnectorWorker:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from connector.policies import ARCPolicy, LRUPolicy, make_policy
+from strata.connector.policies import ARCPolicy, LRUPolicy, make_policy
 
 
 def run_trace(policy, capacity: int, trace: str) -> list[str]:

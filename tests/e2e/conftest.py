@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from worker.model_loader import resolve_model_path
+from strata.worker.model_loader import resolve_model_path
 
 from model_factory import save_tiny_model, tiny_llama_config, tiny_qwen2_config
 

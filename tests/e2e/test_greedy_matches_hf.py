@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from launch import LLM, SamplingParams
+from strata import LLM, SamplingParams
 
 from conftest import save_tiny_model_with_tokenizer
 from model_factory import hf_greedy, random_prompts

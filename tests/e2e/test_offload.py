@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from launch import LLM, SamplingParams
+from strata import LLM, SamplingParams
 
 from conftest import save_tiny_model_with_tokenizer
 

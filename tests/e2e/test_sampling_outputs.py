@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from launch import LLM, SamplingParams
+from strata import LLM, SamplingParams
 
 PROMPT = "The three most important inventions of the twentieth century are"
 LOGPROB_TOLERANCE = 1e-3  # float32 engine vs float32 HF, different kernels

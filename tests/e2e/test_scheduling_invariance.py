@@ -4,7 +4,7 @@ chunked by a tiny token budget, preempted by a tiny KV pool, with or without pre
 import pytest
 from transformers import AutoTokenizer
 
-from launch import LLM, SamplingParams
+from strata import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SHARED = "You are a helpful assistant. Answer briefly and precisely. " * 4

@@ -2,8 +2,8 @@ import itertools
 
 import pytest
 
-from engine_core.request import Request
-from engine_core.sampling_params import SamplingParams
+from strata.engine_core.request import Request
+from strata.engine_core.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

@@ -1,8 +1,8 @@
-from engine_core.block_hash import ROOT_HASH, extend_block_hashes, hash_block
-from engine_core.block_pool import BlockPool
-from engine_core.kv_cache_manager import KVCacheManager
-from engine_core.request import Request
-from engine_core.sampling_params import SamplingParams
+from strata.engine_core.block_hash import ROOT_HASH, extend_block_hashes, hash_block
+from strata.engine_core.block_pool import BlockPool
+from strata.engine_core.kv_cache_manager import KVCacheManager
+from strata.engine_core.request import Request
+from strata.engine_core.sampling_params import SamplingParams
 
 
 def request(tokens: list[int], request_id: str = "r") -> Request:

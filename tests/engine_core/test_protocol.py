@@ -1,7 +1,7 @@
 import msgspec
 import pytest
 
-from engine_core.protocol import (
+from strata.engine_core.protocol import (
     AbortRequests,
     BlockTransfer,
     CachedRequestData,
@@ -19,7 +19,7 @@ from engine_core.protocol import (
     pack_handles,
     pack_tokens,
 )
-from engine_core.sampling_params import SamplingParams
+from strata.engine_core.sampling_params import SamplingParams
 
 MESSAGES = [
     EngineCoreRequest("r1", [1, 2, 3], SamplingParams(temperature=0.5, stop=["x"]), 2, 12.5, 1),

@@ -1,7 +1,7 @@
 import msgspec
 import pytest
 
-from engine_core.sampling_params import SamplingParams
+from strata.engine_core.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

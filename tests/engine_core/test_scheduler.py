@@ -1,10 +1,10 @@
 """Scheduler scenarios, one behaviour each, driven by a fake runner that keeps a real
 persistent batch from the per-step diffs."""
 
-from engine_core.kv_connector import SchedulerConnector
-from engine_core.protocol import KVConnectorOutput, ModelRunnerOutput, unpack_handles
-from engine_core.request import Request, RequestStatus
-from engine_core.scheduler import Scheduler, SchedulerConfig
+from strata.engine_core.kv_connector import SchedulerConnector
+from strata.engine_core.protocol import KVConnectorOutput, ModelRunnerOutput, unpack_handles
+from strata.engine_core.request import Request, RequestStatus
+from strata.engine_core.scheduler import Scheduler, SchedulerConfig
 from fake_runner import FakeRunner, run_to_completion, step
 
 

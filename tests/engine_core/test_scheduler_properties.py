@@ -4,10 +4,10 @@ KV invariants and the budgets, and every request ends with a reason (no deadlock
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_core.protocol import unpack_handles
-from engine_core.request import Request
-from engine_core.sampling_params import SamplingParams
-from engine_core.scheduler import Scheduler, SchedulerConfig
+from strata.engine_core.protocol import unpack_handles
+from strata.engine_core.request import Request
+from strata.engine_core.sampling_params import SamplingParams
+from strata.engine_core.scheduler import Scheduler, SchedulerConfig
 from fake_runner import FakeRunner, Result, step
 
 arrival = st.tuples(

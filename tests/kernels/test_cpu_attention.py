@@ -9,9 +9,9 @@ at most the ulp a float32-level difference can tip over.
 import pytest
 import torch
 
-from kernels import cpu_attention
+from strata.kernels import cpu_attention
 from paged_batches import BATCHES, LAYOUTS, NUM_KV_HEADS, forward_beside_torch_backend, make_batch
-from worker.attention import CpuAttentionBackend, get_attention_backend
+from strata.worker.attention import CpuAttentionBackend, get_attention_backend
 
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # Contexts longer than one 16-position tile and not a multiple of it, beside decodes.

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import cpu_kv_cache, native, reference
+from strata.kernels import cpu_kv_cache, native, reference
 
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the CPU kernels")
 

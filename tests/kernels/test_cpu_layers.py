@@ -9,8 +9,8 @@ the torch code run in float32 and rounded once, as the kernel does.
 import pytest
 import torch
 
-from kernels import cpu_layers
-from worker.llama import apply_rotary, rms_norm, silu_and_mul
+from strata.kernels import cpu_layers
+from strata.worker.llama import apply_rotary, rms_norm, silu_and_mul
 
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1 / 128), torch.float16: (1e-3, 1 / 1024)}
 IDS = ["fp32", "bf16", "fp16"]

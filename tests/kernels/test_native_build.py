@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_layers, native
-from worker.attention import get_attention_backend
+from strata.kernels import cpu_layers, native
+from strata.worker.attention import get_attention_backend
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def test_the_library_is_built_once_into_the_cache(fresh_library):
 @pytest.mark.parametrize("compiler", ["strata-no-such-compiler", "false"], ids=["missing", "failing"])
 def test_without_a_working_compiler_the_cpu_path_runs_torch_code(fresh_library, monkeypatch, caplog, compiler):
     monkeypatch.setenv("CC", compiler)
-    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+    with caplog.at_level(logging.WARNING, logger="strata.kernels.native"):
         assert native.load_library() is None
     assert "falls back to torch code" in caplog.text
     assert get_attention_backend(None, torch.device("cpu")).name == "torch"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import reference
+from strata.kernels import reference
 
 
 def dense_attention(query, key, value, scale):

@@ -12,9 +12,9 @@ nearest) and the kernel also rounds the softmax weights to it for the P @ V prod
 import pytest
 import torch
 
-from kernels import triton_attention
+from strata.kernels import triton_attention
 from paged_batches import BATCHES, LAYOUTS, forward_beside_torch_backend, make_batch
-from worker.attention import TritonAttentionBackend, get_attention_backend
+from strata.worker.attention import TritonAttentionBackend, get_attention_backend
 
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 

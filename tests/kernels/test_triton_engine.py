@@ -3,8 +3,8 @@ gives the same greedy tokens as on the torch reference backend."""
 
 from transformers import AutoTokenizer
 
-from launch import LLM, SamplingParams
-from worker.model_loader import resolve_model_path
+from strata import LLM, SamplingParams
+from strata.worker.model_loader import resolve_model_path
 
 from model_factory import random_prompts, save_tiny_model, tiny_llama_config
 

@@ -7,7 +7,7 @@ Both kernels only move elements, so the comparison is exact.
 import pytest
 import torch
 
-from kernels import reference, triton_kv_cache
+from strata.kernels import reference, triton_kv_cache
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK_SIZE = 16

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from launch.llm import LLM
-from launch.bench_throughput import CORPUS, Workload, format_result, run, synthetic_prompts
+from strata.launch.llm import LLM
+from strata.launch.bench.throughput import CORPUS, Workload, format_result, run, synthetic_prompts
 
 CORPUS_IDS = list(range(1000, 1500))
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from worker.model_loader import resolve_model_path
+from strata.worker.model_loader import resolve_model_path
 
 PROMPTS = ["The capital of France is", "Once upon a time"]
 
@@ -17,7 +17,7 @@ def strata(*args: str) -> subprocess.CompletedProcess[str]:
     # One torch thread: these tests time nothing, and on a shared machine a second thread mostly waits.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "strata.launch.cli", *args], capture_output=True, text=True, env=env, timeout=300
     )
 
 
@@ -55,6 +55,12 @@ def test_text_output_shows_each_prompt_with_its_completion():
     prompt_line, output_line = result.stdout.splitlines()[:2]
     assert prompt_line == f"Prompt: {PROMPTS[0]!r}"
     assert output_line.startswith("Output: ")
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal():
+    result = strata("generate", "--executor", "uni", "--max-tokens", "2", "--prompt", PROMPTS[0])
+    assert result.returncode == 0, result.stderr
+    assert "Generating" not in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,6 @@ def no_leftovers():
 
 @pytest.fixture(scope="session")
 def default_model_path():
-    from worker.model_loader import resolve_model_path
+    from strata.worker.model_loader import resolve_model_path
 
     return resolve_model_path(None)

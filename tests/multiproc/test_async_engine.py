@@ -2,9 +2,9 @@
 
 import asyncio
 
-from launch.async_engine import AsyncEngine
-from launch.engine_args import EngineArgs
-from engine_core.sampling_params import SamplingParams
+from strata.launch.async_engine import AsyncEngine
+from strata.launch.engine_args import EngineArgs
+from strata.engine_core.sampling_params import SamplingParams
 
 NUM_REQUESTS = 200
 MAX_TOKENS = 12

@@ -11,15 +11,15 @@ import psutil
 import pytest
 import zmq
 
-from launch import LLM, SamplingParams
-from launch.core_client import EngineDeadError
+from strata import LLM, SamplingParams
+from strata.launch.engine.core_client import EngineDeadError
 
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
 
 def worker_pids(llm: LLM) -> list[int]:
     engine_core = psutil.Process(llm.engine.process.pid)
-    return [p.pid for p in engine_core.children() if "worker.worker_process" in " ".join(p.cmdline())]
+    return [p.pid for p in engine_core.children() if "strata.worker.worker_process" in " ".join(p.cmdline())]
 
 
 def test_killed_worker_fails_requests_with_an_error_naming_the_rank():

@@ -3,9 +3,9 @@ finished only when every rank has finished its shard."""
 
 from transformers import AutoTokenizer
 
-from engine_core.protocol import KVConnectorOutput
-from launch import LLM, SamplingParams
-from launch.zmq_executor import TransferTally
+from strata.engine_core.protocol import KVConnectorOutput
+from strata import LLM, SamplingParams
+from strata.launch.executors.zmq_executor import TransferTally
 
 OFFLOAD_BYTES = 256 * 1024 * 1024
 

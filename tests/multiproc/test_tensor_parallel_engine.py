@@ -2,7 +2,7 @@
 
 import pytest
 
-from launch import LLM, SamplingParams
+from strata import LLM, SamplingParams
 
 from model_factory import random_prompts, save_tiny_model, tiny_llama_config, tiny_qwen2_config
 

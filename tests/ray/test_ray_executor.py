@@ -8,9 +8,9 @@ import psutil
 import pytest
 import ray
 
-from engine_core.ipc import free_tcp_port
-from launch import LLM, SamplingParams
-from launch.core_client import EngineDeadError
+from strata.engine_core.ipc import free_tcp_port
+from strata import LLM, SamplingParams
+from strata.launch.engine.core_client import EngineDeadError
 
 from conftest import descendants, live, rank_workers, wait_until_none_left
 

@@ -12,8 +12,8 @@ import time
 import psutil
 import pytest
 
-from engine_core.ipc import free_tcp_port
-from launch.ray_launcher import LaunchError, RayNodeOptions, start_command, start_environment
+from strata.engine_core.ipc import free_tcp_port
+from strata.launch.executors.ray_launcher import LaunchError, RayNodeOptions, start_command, start_environment
 
 from conftest import descendants, live, wait_until_none_left
 
@@ -21,7 +21,7 @@ HEAD_START_TIMEOUT_S = 90
 
 
 def strata(*args: str) -> list[str]:
-    return [sys.executable, "-m", "launch.cli", *args]
+    return [sys.executable, "-m", "strata.launch.cli", *args]
 
 
 def without_auth_mode() -> dict[str, str]:

@@ -39,7 +39,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        command = [sys.executable, "-m", "launch.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *flags]
+        command = [sys.executable, "-m", "strata.launch.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *flags]
         # A temporary directory of its own, where its IPC directory goes: other jobs on the
         # machine make theirs in /tmp too. Short, since it ends up in socket paths.
         self.tmp = tempfile.mkdtemp(prefix="srv-")
@@ -73,7 +73,7 @@ class ServerProcess:
 
     def engine_core_pid(self) -> int:
         children = psutil.Process(self.pid).children()
-        [engine_core] = [child for child in children if "launch.engine_process" in " ".join(child.cmdline())]
+        [engine_core] = [child for child in children if "strata.launch.engine.engine_process" in " ".join(child.cmdline())]
         return engine_core.pid
 
     def signal(self, signum: int) -> None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from launch.bench_serve import Load, make_prompts
+from strata.launch.bench.serve import Load, make_prompts
 
 
 def test_prompts_are_deterministic_for_a_seed():

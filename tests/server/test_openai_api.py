@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from server_helpers import running_server
-from worker.model_loader import resolve_model_path
+from strata.worker.model_loader import resolve_model_path
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colours."}]

@@ -71,7 +71,7 @@ def test_256_concurrent_streams_all_finish_with_every_token_and_are_counted(serv
 
 def test_bench_serve_cli_completes_every_request(server):
     command = [
-        sys.executable, "-m", "launch.cli", "bench", "serve", "--url", server.url, "--num-prompts", "12",
+        sys.executable, "-m", "strata.launch.cli", "bench", "serve", "--url", server.url, "--num-prompts", "12",
         "--max-tokens", "4", "--max-concurrency", "4", "--request-rate", "50", "--json",
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from model_factory import hf_greedy
 from worker_helpers import PagedRunner, greedy_decode, load_ours
 
-from worker.model_loader import resolve_model_path
+from strata.worker.model_loader import resolve_model_path
 
 QUESTIONS = ["Write a short poem about the sea.", "Explain what a CPU does."]
 NUM_TOKENS = 16

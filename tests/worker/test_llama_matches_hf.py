@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from worker.llama import LlamaForCausalLM
+from strata.worker.llama import LlamaForCausalLM
 
 from model_factory import hf_greedy, random_prompts, save_tiny_model, tiny_llama_config, tiny_qwen2_config
 from worker_helpers import PagedRunner, greedy_decode, load_ours

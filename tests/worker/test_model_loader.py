@@ -11,9 +11,9 @@ from transformers import GPT2Config
 from model_factory import save_tiny_model, tiny_llama_config
 from worker_helpers import SINGLE_RANK, load_ours
 
-from worker import model_loader
-from worker.attention import TorchAttentionBackend
-from worker.model_loader import load_model, resolve_dtype, resolve_model_path
+from strata.worker import model_loader
+from strata.worker.attention import TorchAttentionBackend
+from strata.worker.model_loader import load_model, resolve_dtype, resolve_model_path
 
 
 def test_sharded_checkpoint_loads_the_files_its_index_names(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 import torch
 
-from worker.sampler import SamplingMetadata, sample, uniform
+from strata.worker.sampler import SamplingMetadata, sample, uniform
 
 VOCAB = 8
 

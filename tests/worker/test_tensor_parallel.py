@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from worker.parallel_state import init_tensor_parallel
+from strata.worker.parallel_state import init_tensor_parallel
 
 from model_factory import random_prompts, save_tiny_model, tiny_llama_config
 from worker_helpers import PagedRunner, greedy_decode, load_ours

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import torch
 
-from worker.attention import AttentionMetadata, TorchAttentionBackend
-from worker.llama import LlamaForCausalLM
-from worker.model_loader import load_model
-from worker.parallel_state import TensorParallel
+from strata.worker.attention import AttentionMetadata, TorchAttentionBackend
+from strata.worker.llama import LlamaForCausalLM
+from strata.worker.model_loader import load_model
+from strata.worker.parallel_state import TensorParallel
 
 SINGLE_RANK = TensorParallel(rank=0, size=1)
 

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_core.ipc import die_with_parent
+from strata.engine_core.ipc import die_with_parent
 
 DEFAULT_PORT = 6379  # Ray's
 

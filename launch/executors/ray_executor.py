@@ -26,11 +26,11 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine_core.core_loop import ExecutorFailed
-from engine_core.ipc import free_tcp_port
-from launch.engine_args import RayConfig
-from launch.zmq_executor import RankExit, ZmqExecutor
-from worker.config import WorkerConfig
+from strata.engine_core.core_loop import ExecutorFailed
+from strata.engine_core.ipc import free_tcp_port
+from strata.launch.engine_args import RayConfig
+from strata.launch.executors.zmq_executor import RankExit, ZmqExecutor
+from strata.worker.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class RankWorker:
 
     def serve(self, payload: bytes) -> None:
         """Run the steps; ``payload`` is a msgpack ``WorkerProcessConfig``."""
-        from worker.worker_process import WorkerProcessConfig, serve
+        from strata.worker.worker_process import WorkerProcessConfig, serve
 
         config = msgspec.msgpack.decode(payload, type=WorkerProcessConfig)
         rank = config.worker.rank
@@ -94,7 +94,7 @@ class RayExecutor(ZmqExecutor):
             raise
 
     def _start(self, config: WorkerConfig, ray_config: RayConfig, startup_timeout_s: float) -> None:
-        from worker.worker_process import WorkerProcessConfig
+        from strata.worker.worker_process import WorkerProcessConfig
 
         use_gpu = config.device.startswith("cuda")
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}

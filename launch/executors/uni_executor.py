@@ -2,10 +2,10 @@
 
 import torch
 
-from engine_core.protocol import ModelRunnerOutput, SchedulerOutput
-from worker.config import WorkerConfig
-from worker.model_runner import ModelRunner, default_num_threads
-from worker.parallel_state import TensorParallel
+from strata.engine_core.protocol import ModelRunnerOutput, SchedulerOutput
+from strata.worker.config import WorkerConfig
+from strata.worker.model_runner import ModelRunner, default_num_threads
+from strata.worker.parallel_state import TensorParallel
 
 
 class UniExecutor:

@@ -12,10 +12,10 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from engine_core.sampling_params import SamplingParams
-from launch.bench_throughput import CORPUS, cyclic_slice
-from launch.engine_args import EngineArgs
-from launch.llm import LLM
+from strata.engine_core.sampling_params import SamplingParams
+from strata.launch.bench.throughput import CORPUS, cyclic_slice
+from strata.launch.engine_args import EngineArgs
+from strata.launch.llm import LLM
 
 
 @dataclass

@@ -20,11 +20,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine_core.sampling_params import SamplingParams
-from launch.async_engine import AsyncEngine
-from launch.core_client import EngineDeadError
-from launch.metrics import ServerMetrics
-from launch.openai_protocol import (
+from strata.engine_core.sampling_params import SamplingParams
+from strata.launch.async_engine import AsyncEngine
+from strata.launch.engine.core_client import EngineDeadError
+from strata.launch.server.metrics import ServerMetrics
+from strata.launch.server.protocol import (
     APIError,
     AssistantMessage,
     ChatChoice,
@@ -44,8 +44,8 @@ from launch.openai_protocol import (
     TopLogprob,
     Usage,
 )
-from launch.output_processor import CompletionDelta
-from launch.outputs import CompletionOutput, RequestOutput
+from strata.launch.output_processor import CompletionDelta
+from strata.launch.outputs import CompletionOutput, RequestOutput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Request fields passed to SamplingParams under the same name when given.

@@ -11,13 +11,13 @@ import time
 
 import msgspec
 
-from engine_core.ipc import IpcDir, free_tcp_port
-from launch.zmq_executor import RankExit, ZmqExecutor
-from worker.config import WorkerConfig
+from strata.engine_core.ipc import IpcDir, free_tcp_port
+from strata.launch.executors.zmq_executor import RankExit, ZmqExecutor
+from strata.worker.config import WorkerConfig
 
 
 class MultiprocExecutor(ZmqExecutor):
-    """Ranks as child processes (``python -m worker.worker_process``) that die with this one."""
+    """Ranks as child processes (``python -m strata.worker.worker_process``) that die with this one."""
 
     def __init__(
         self,
@@ -37,7 +37,7 @@ class MultiprocExecutor(ZmqExecutor):
             raise
 
     def _start_worker(self, config: WorkerConfig, rank: int, init_method: str) -> subprocess.Popen:
-        from worker.worker_process import WorkerProcessConfig
+        from strata.worker.worker_process import WorkerProcessConfig
 
         device = f"cuda:{rank}" if config.device == "cuda" else config.device
         worker = msgspec.structs.replace(config, rank=rank, device=device, distributed_init_method=init_method)
@@ -48,7 +48,7 @@ class MultiprocExecutor(ZmqExecutor):
         # instead of holding a core the EngineCore needs between steps: same throughput as the
         # default long spin, a third of its EngineCore-side IPC time (README, process split).
         env.setdefault("GOMP_SPINCOUNT", "10000")
-        process = subprocess.Popen([sys.executable, "-m", "worker.worker_process"], stdin=subprocess.PIPE, env=env)
+        process = subprocess.Popen([sys.executable, "-m", "strata.worker.worker_process"], stdin=subprocess.PIPE, env=env)
         assert process.stdin is not None
         process.stdin.write(payload)
         process.stdin.close()

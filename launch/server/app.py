@@ -19,9 +19,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from launch.async_engine import AsyncEngine
-from launch.metrics import ServerMetrics
-from launch.openai_protocol import (
+from strata.launch.async_engine import AsyncEngine
+from strata.launch.server.metrics import ServerMetrics
+from strata.launch.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,7 +30,7 @@ from launch.openai_protocol import (
     ModelCard,
     ModelList,
 )
-from launch.server_completions import ChatCompletions, Completions, json_response
+from strata.launch.server.completions import ChatCompletions, Completions, json_response
 
 logger = logging.getLogger(__name__)
 

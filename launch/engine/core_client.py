@@ -17,8 +17,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine_core.ipc import IpcDir, make_socket
-from engine_core.protocol import (
+from strata.engine_core.ipc import IpcDir, make_socket
+from strata.engine_core.protocol import (
     AbortRequests,
     CoreMessage,
     EngineCoreOutputs,
@@ -29,8 +29,8 @@ from engine_core.protocol import (
     UtilityResponse,
     UtilityResult,
 )
-from launch.engine_args import ResolvedConfig
-from launch.engine_process import INPUT_ENDPOINT, OUTPUT_ENDPOINT, EngineProcessConfig
+from strata.launch.engine_args import ResolvedConfig
+from strata.launch.engine.engine_process import INPUT_ENDPOINT, OUTPUT_ENDPOINT, EngineProcessConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class EngineCoreProcess:
             config.scheduler, config.worker, config.executor, self.ipc.path, config.worker_timeout_s, config.ray,
             config.kv_offload_policy,
         )
-        self.process = subprocess.Popen([sys.executable, "-m", "launch.engine_process"], stdin=subprocess.PIPE)
+        self.process = subprocess.Popen([sys.executable, "-m", "strata.launch.engine.engine_process"], stdin=subprocess.PIPE)
         assert self.process.stdin is not None
         self.process.stdin.write(msgspec.msgpack.encode(process_config))
         self.process.stdin.close()

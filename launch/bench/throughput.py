@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_core.sampling_params import SamplingParams
-from launch.core_client import SyncCoreClient
-from launch.llm import LLM
-from worker.model_loader import resolve_dtype
+from strata.engine_core.sampling_params import SamplingParams
+from strata.launch.engine.core_client import SyncCoreClient
+from strata.launch.llm import LLM
+from strata.worker.model_loader import resolve_dtype
 
 HF_BATCH_SIZE = 64
 WARMUP_PROMPT_LEN = 64

@@ -8,13 +8,13 @@ import sys
 
 import msgspec
 
-from engine_core.core_loop import EngineCoreLoop, ExecutorFailed
-from engine_core.engine_core import EngineCore, Executor
-from engine_core.ipc import IpcDir, die_with_parent
-from engine_core.protocol import EngineReady
-from engine_core.scheduler import SchedulerConfig
-from launch.engine_args import RayConfig, make_offload_connector
-from worker.config import WorkerConfig
+from strata.engine_core.core_loop import EngineCoreLoop, ExecutorFailed
+from strata.engine_core.engine_core import EngineCore, Executor
+from strata.engine_core.ipc import IpcDir, die_with_parent
+from strata.engine_core.protocol import EngineReady
+from strata.engine_core.scheduler import SchedulerConfig
+from strata.launch.engine_args import RayConfig, make_offload_connector
+from strata.worker.config import WorkerConfig
 
 logger = logging.getLogger("engine_core")
 
@@ -34,11 +34,11 @@ class EngineProcessConfig(msgspec.Struct):
 
 def build_executor(config: EngineProcessConfig) -> Executor:
     if config.executor == "mp":
-        from launch.mp_executor import MultiprocExecutor
+        from strata.launch.executors.mp_executor import MultiprocExecutor
 
         return MultiprocExecutor(config.worker, config.ipc_dir, config.worker_timeout_s)
     if config.executor == "ray":
-        from launch.ray_executor import RayExecutor
+        from strata.launch.executors.ray_executor import RayExecutor
 
         return RayExecutor(config.worker, config.ray or RayConfig(), config.worker_timeout_s)
     raise ValueError(f"unknown executor {config.executor!r}")

@@ -1,10 +1,10 @@
 """Starting an engine for a frontend: in this process (``--executor uni``) or as an EngineCore
 process with workers (``mp``, ``ray``)."""
 
-from engine_core.engine_core import EngineCore
-from engine_core.protocol import EngineCoreOutputs, EngineCoreRequest
-from launch.core_client import SyncCoreClient
-from launch.engine_args import EngineArgs, ResolvedConfig
+from strata.engine_core.engine_core import EngineCore
+from strata.engine_core.protocol import EngineCoreOutputs, EngineCoreRequest
+from strata.launch.engine.core_client import SyncCoreClient
+from strata.launch.engine_args import EngineArgs, ResolvedConfig
 
 
 class InprocClient:
@@ -34,7 +34,7 @@ class InprocClient:
 
 def start_engine(args: EngineArgs, resolved: ResolvedConfig) -> InprocClient | SyncCoreClient:
     if args.executor == "uni":
-        from launch.uni_executor import UniExecutor
+        from strata.launch.executors.uni_executor import UniExecutor
 
         executor = UniExecutor(resolved.worker)
         return InprocClient(EngineCore(resolved.scheduler, executor, resolved.make_connector(executor.num_cpu_blocks)))

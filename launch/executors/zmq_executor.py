@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from engine_core.core_loop import ExecutorFailed
-from engine_core.ipc import make_socket
-from engine_core.protocol import (
+from strata.engine_core.core_loop import ExecutorFailed
+from strata.engine_core.ipc import make_socket
+from strata.engine_core.protocol import (
     KVConnectorOutput,
     ModelRunnerOutput,
     SchedulerOutput,

@@ -10,10 +10,10 @@ import time
 
 import msgspec
 
-from engine_core.protocol import ModelRunnerOutput, SchedulerOutput, pack_tokens, unpack_handles
-from engine_core.request import Request
-from engine_core.sampling_params import SamplingParams
-from engine_core.scheduler import Scheduler, SchedulerConfig
+from strata.engine_core.protocol import ModelRunnerOutput, SchedulerOutput, pack_tokens, unpack_handles
+from strata.engine_core.request import Request
+from strata.engine_core.sampling_params import SamplingParams
+from strata.engine_core.scheduler import Scheduler, SchedulerConfig
 
 PROMPT_LEN = 128
 

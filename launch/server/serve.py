@@ -13,9 +13,9 @@ from types import FrameType
 
 import uvicorn
 
-from launch.async_engine import AsyncEngine
-from launch.engine_args import EngineArgs
-from launch.server_app import AppOptions, build_app
+from strata.launch.async_engine import AsyncEngine
+from strata.launch.engine_args import EngineArgs
+from strata.launch.server.app import AppOptions, build_app
 
 logger = logging.getLogger(__name__)
 
