@@ -26,24 +26,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_rank(rank: int, port: int, model_dir: Path, out_dir: Path) -> None:
-    """One spawned rank: prefill and decode, save the logits of every step for the parent."""
+def _run_rank(rank: int, port: int, model_dir: Path, out_dir: Path, device: str) -> None:
+    """One spawned rank: prefill and decode, save the logits of every step for the parent.
+    gloo on any device: on CUDA it reduces CUDA tensors, so two ranks can share one GPU."""
     torch.set_num_threads(1)  # two ranks share the machine's cores
-    tp = init_tensor_parallel(rank, TP_SIZE, f"tcp://127.0.0.1:{port}")
+    tp = init_tensor_parallel(rank, TP_SIZE, f"tcp://127.0.0.1:{port}", device, backend="gloo")
     try:
-        model = load_ours(model_dir, tp)
+        model = load_ours(model_dir, tp, device)
         prompts = random_prompts(PROMPT_LENGTHS, model.vocab_size)
         _, logits = greedy_decode(PagedRunner(model), prompts, DECODE_TOKENS)
-        torch.save(logits, out_dir / f"rank{rank}.pt")
+        torch.save(logits.cpu(), out_dir / f"rank{rank}.pt")
     finally:
         tp.destroy()
 
 
-def _run_ranks(model_dir: Path, out_dir: Path) -> list[torch.Tensor]:
+def _run_ranks(model_dir: Path, out_dir: Path, device: str = "cpu") -> list[torch.Tensor]:
     context = mp.get_context("spawn")
     port = _free_port()
     ranks = [
-        context.Process(target=_run_rank, args=(rank, port, model_dir, out_dir)) for rank in range(TP_SIZE)
+        context.Process(target=_run_rank, args=(rank, port, model_dir, out_dir, device)) for rank in range(TP_SIZE)
     ]
     try:
         for process in ranks:
@@ -82,3 +83,14 @@ def test_two_ranks_give_the_logits_of_one_rank(num_kv_heads: int, tmp_path: Path
     )
     for rank_logits in _run_ranks(tmp_path, tmp_path):
         torch.testing.assert_close(rank_logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_two_ranks_on_one_gpu_through_gloo_give_the_logits_of_one_rank(tmp_path: Path) -> None:
+    config = tiny_llama_config(num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True)
+    save_tiny_model(config, tmp_path)
+    _, expected = greedy_decode(
+        PagedRunner(load_ours(tmp_path, device="cuda:0")), random_prompts(PROMPT_LENGTHS, config.vocab_size), DECODE_TOKENS
+    )
+    for rank_logits in _run_ranks(tmp_path, tmp_path, device="cuda:0"):
+        torch.testing.assert_close(rank_logits, expected.cpu(), atol=1e-4, rtol=1e-4)
