@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from transformers import AutoTokenizer
 
 from strata.engine_core.protocol import EngineCoreOutputs, SchedulerStats
 from strata.engine_core.sampling_params import SamplingParams
 from strata.launch.engine.core_client import AsyncCoreClient, EngineDeadError
 from strata.launch.engine_args import EngineArgs, ResolvedConfig, resolve
 from strata.launch.output_processor import CompletionDelta, OutputProcessor
+from strata.launch.tokenizer import load_tokenizer
 from strata.launch.outputs import RequestOutput
 
 T = TypeVar("T")
@@ -31,7 +31,9 @@ class AsyncEngine:
             raise ValueError("the async engine runs the EngineCore in its own process: use --executor mp or ray")
         self.args = args
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        if config.tokenizer_path is None:
+            raise ValueError("the async engine and the server need a tokenizer: pass --tokenizer DIR, not --skip-tokenizer")
+        self.tokenizer = load_tokenizer(config.tokenizer_path)
         self.client = AsyncCoreClient(config)
         self.processor = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_id)
         self._streams: dict[str, asyncio.Queue] = {}

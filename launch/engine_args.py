@@ -11,6 +11,7 @@ from strata.engine_core.scheduler import SchedulerConfig
 from strata.worker.config import WorkerConfig
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+LOAD_FORMATS = ("auto", "dummy")  # as worker.model_loader.LOAD_FORMATS, without importing torch here
 RAY_PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
 
 
@@ -29,6 +30,9 @@ class EngineArgs:
     """Everything a user can set about the engine. ``model=None`` is the default model."""
 
     model: str | None = None
+    load_format: str = "auto"
+    tokenizer: str | None = None
+    skip_tokenizer: bool = False
     dtype: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
@@ -39,6 +43,9 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
@@ -62,13 +69,26 @@ class EngineArgs:
                 f"ray_placement_strategy must be one of {', '.join(RAY_PLACEMENT_STRATEGIES)}, "
                 f"got {self.ray_placement_strategy!r}"
             )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.skip_tokenizer and self.tokenizer is not None:
+            raise ValueError("tokenizer and skip_tokenizer exclude each other")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cuda_graph_sizes is not None and not all(1 <= size <= self.max_num_seqs for size in self.cuda_graph_sizes):
+            raise ValueError(
+                f"cuda_graph_sizes must lie in 1..max_num_seqs ({self.max_num_seqs}), got {self.cuda_graph_sizes}"
+            )
         if self.ray_placement_timeout_s <= 0:
             raise ValueError(f"ray_placement_timeout_s must be > 0, got {self.ray_placement_timeout_s}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         add = parser.add_argument
-        add("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+        add("--model", default=None, help="HF directory, .gguf file or config.json (default: SmolLM2-135M-Instruct)")
+        add("--load-format", default="auto", choices=LOAD_FORMATS, help="dummy: seeded random weights of the config's shapes")
+        add("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+        add("--skip-tokenizer", action="store_true", help="no tokenizer: token-id prompts only, no output text")
         add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
         add("--device", default="auto", help="cpu, cuda or auto")
         add("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -79,6 +99,9 @@ class EngineArgs:
         add("--block-size", type=int, default=16)
         add("--kv-cache-memory", type=int, default=None, help="KV-cache bytes per rank")
         add("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (overrides --kv-cache-memory)")
+        add("--gpu-memory-utilization", type=float, default=0.9, help="CUDA: share of the GPU for weights, activations, graphs and KV cache")
+        add("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+        add("--cuda-graph-sizes", type=_int_list, default=None, help="CUDA: decode batch sizes to capture, e.g. 1,2,4,8 (default 1,2,4,8,16,...,max-num-seqs)")
         add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         add("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         add("--attention-backend", default=None, choices=["torch", "cpu", "triton"])
@@ -101,6 +124,7 @@ class ResolvedConfig:
     """What a frontend needs to start an engine, derived from ``EngineArgs`` and the model."""
 
     model_path: Path
+    tokenizer_path: Path | None  # None: --skip-tokenizer
     scheduler: SchedulerConfig
     worker: WorkerConfig
     executor: str = "mp"
@@ -147,6 +171,7 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
     )
     worker = WorkerConfig(
         model=str(path),
+        load_format=args.load_format,
         dtype=args.dtype,
         device=_device(args.device),
         block_size=args.block_size,
@@ -155,6 +180,9 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=args.cuda_graph_sizes,
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,
         kv_offload_cpu_bytes=args.kv_offload_cpu_bytes,
@@ -164,8 +192,26 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
     if args.executor == "ray":
         ray_config = RayConfig(args.ray_address, args.ray_placement_strategy, args.ray_placement_timeout_s)
     return ResolvedConfig(
-        path, scheduler, worker, args.executor, args.worker_timeout_s, ray_config, args.kv_offload_policy
+        path, _tokenizer_path(args, path), scheduler, worker, args.executor, args.worker_timeout_s, ray_config, args.kv_offload_policy
     )
+
+
+def _tokenizer_path(args: EngineArgs, model_path: Path) -> Path | None:
+    if args.skip_tokenizer:
+        return None
+    if args.tokenizer is None:
+        return model_path
+    path = Path(args.tokenizer).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"tokenizer {args.tokenizer!r} is not a directory (tokenizers are never downloaded)")
+    return path
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _device(name: str) -> str:

