@@ -46,12 +46,13 @@ def test_unsupported_architecture_is_rejected_clearly(tmp_path: Path) -> None:
         load_model(tmp_path, torch.float32, SINGLE_RANK, TorchAttentionBackend(), "cpu")
 
 
-def test_hf_directory_is_used_as_is_and_anything_else_is_rejected(tmp_path: Path) -> None:
+def test_hf_directory_or_its_config_is_used_as_is_and_anything_else_is_rejected(tmp_path: Path) -> None:
     save_tiny_model(tiny_llama_config(), tmp_path / "model")
     assert resolve_model_path(str(tmp_path / "model")) == tmp_path / "model"
+    assert resolve_model_path(str(tmp_path / "model" / "config.json")) == tmp_path / "model"
     (tmp_path / "empty").mkdir()
-    for bad in ("empty", "missing.gguf", "missing"):
-        with pytest.raises(ValueError, match="neither a .gguf file nor a directory with a config.json"):
+    for bad in ("empty", "missing.gguf", "missing", "missing/config.json"):
+        with pytest.raises(ValueError, match="neither a .gguf file, a config.json nor a directory with a config.json"):
             resolve_model_path(str(tmp_path / bad))
 
 
