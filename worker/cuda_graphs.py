@@ -147,6 +147,7 @@ class CudaGraphRunner(PaddedDecode):
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
+    @torch.inference_mode()
     def capture(self) -> None:
         started = time.perf_counter()
         free_before, _ = torch.cuda.mem_get_info()
