@@ -90,7 +90,7 @@ class EngineArgs:
         add("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
         add("--skip-tokenizer", action="store_true", help="no tokenizer: token-id prompts only, no output text")
         add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-        add("--device", default="auto", help="cpu, cuda or auto")
+        add("--device", default="auto", help="cpu, cuda, cuda:K (mp ranks take cuda:K, cuda:K+1, ...) or auto")
         add("--tensor-parallel-size", "-tp", type=int, default=1)
         add("--executor", default="mp", choices=["uni", "mp", "ray"], help="uni: one process (debugging)")
         add("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
