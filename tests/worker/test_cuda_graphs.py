@@ -14,6 +14,9 @@ from strata.worker.parallel_state import TensorParallel
 from model_factory import random_prompts, tiny_llama_config
 from worker_helpers import PagedRunner
 
+# Compiled on CUDA where present (the padded forward is what a graph captures), else the CPU
+# with Triton interpreted (tests/conftest.py).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 MAX_MODEL_LEN = 1024  # the graphs' hint: split-KV cuts it into partitions these short contexts leave empty
 BLOCK_SIZE = 16
 
@@ -38,7 +41,7 @@ def test_a_batch_runs_at_the_smallest_size_that_holds_it(batch: int, padded: int
 
 def _tiny_model(tmp_path, backend):
     tiny_llama_config(num_hidden_layers=1).save_pretrained(tmp_path)  # the interpreter is slow
-    return load_model(tmp_path, torch.float32, TensorParallel(0, 1), backend, "cpu", "dummy")
+    return load_model(tmp_path, torch.float32, TensorParallel(0, 1), backend, DEVICE, "dummy")
 
 
 def _decode_step(runner: PagedRunner, seqs: list[int], tokens: list[int]) -> StepInputs:
@@ -61,7 +64,7 @@ def _decode_step(runner: PagedRunner, seqs: list[int], tokens: list[int]) -> Ste
 
 def test_steps_with_a_prefill_chunk_or_too_many_rows_run_eagerly(tmp_path) -> None:
     model = _tiny_model(tmp_path, TorchAttentionBackend())
-    padded = PaddedDecode(model, [], [1, 2, 4], MAX_MODEL_LEN, BLOCK_SIZE, torch.device("cpu"))
+    padded = PaddedDecode(model, [], [1, 2, 4], MAX_MODEL_LEN, BLOCK_SIZE, DEVICE)
     assert padded.size_for(np.ones(3, dtype=np.int64)) == 4
     assert padded.size_for(np.array([1, 5, 1])) is None
     assert padded.size_for(np.ones(5, dtype=np.int64)) is None
@@ -77,24 +80,27 @@ def test_padded_decode_equals_the_unpadded_step_and_padding_writes_no_kv(backend
     step = _decode_step(runner, seqs, [3, 1, 4])
     before = [cache.clone() for cache in runner.kv_caches]
 
+    def on_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(DEVICE)
+
     meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(step.slot_mapping),
-        block_tables=torch.from_numpy(step.block_tables),
-        query_start_loc=torch.from_numpy(step.query_start_loc.astype(np.int32)),
-        seq_lens=torch.from_numpy(step.seq_lens.astype(np.int32)),
+        slot_mapping=on_device(step.slot_mapping),
+        block_tables=on_device(step.block_tables),
+        query_start_loc=on_device(step.query_start_loc.astype(np.int32)),
+        seq_lens=on_device(step.seq_lens.astype(np.int32)),
     )
     with torch.inference_mode():
-        expected = model(torch.from_numpy(step.token_ids), torch.from_numpy(step.positions), runner.kv_caches, meta)
+        expected = model(on_device(step.token_ids), on_device(step.positions), runner.kv_caches, meta)
     written = [cache.clone() for cache in runner.kv_caches]
     for cache, saved in zip(runner.kv_caches, before):
         cache.copy_(saved)
 
-    padded = PaddedDecode(model, runner.kv_caches, [1, 2, 4, 8], MAX_MODEL_LEN, BLOCK_SIZE, torch.device("cpu"))
+    padded = PaddedDecode(model, runner.kv_caches, [1, 2, 4, 8], MAX_MODEL_LEN, BLOCK_SIZE, DEVICE)
     with torch.inference_mode():
         hidden = padded.run(step, padded.size_for(step.num_scheduled))
     torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
-    real_slots = torch.from_numpy(step.slot_mapping)
-    untouched = torch.ones(runner.kv_caches[0].shape[1] * BLOCK_SIZE, dtype=torch.bool)
+    real_slots = on_device(step.slot_mapping)
+    untouched = torch.ones(runner.kv_caches[0].shape[1] * BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
     untouched[real_slots] = False
     for cache, saved, reference in zip(runner.kv_caches, before, written):
         slots, saved_slots = cache.flatten(1, 2), saved.flatten(1, 2)
