@@ -19,6 +19,7 @@ from strata.launch.engine.core_client import AsyncCoreClient, EngineDeadError
 from strata.launch.engine_args import EngineArgs, ResolvedConfig, resolve
 from strata.launch.output_processor import CompletionDelta, OutputProcessor
 from strata.launch.outputs import RequestOutput
+from strata.launch.prompts import encode_text
 
 T = TypeVar("T")
 
@@ -54,7 +55,8 @@ class AsyncEngine:
         return self.config.scheduler.max_model_len
 
     def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        """A text prompt's token ids, with the tokenizer's default special tokens."""
+        return encode_text(self.tokenizer, prompt)
 
     async def off_loop(self, work: Callable[..., T], *args: object) -> T:
         """Run ``work(*args)`` (tokenizing, chat templates: CPU work that grows with the prompt)
