@@ -93,22 +93,18 @@ class Experts(nn.Module):
         group_sizes = torch.bincount(local_ids, minlength=self.gate_up_proj.shape[0]).tolist()
         tokens = assignments // top_k
         grouped = x[tokens]
-        outputs = []
+        expert_out = torch.empty_like(grouped)
         start = 0
         for expert, size in enumerate(group_sizes):
             if size:
-                outputs.append(self._expert(expert, grouped[start : start + size]))
+                rows = slice(start, start + size)
+                gate_up = F.linear(grouped[rows], self.gate_up_proj[expert])
+                fused = cpu_layers.handles(gate_up)
+                activated = cpu_layers.silu_and_mul(gate_up) if fused else silu_and_mul(gate_up)
+                torch.matmul(activated, self.down_proj[expert].t(), out=expert_out[rows])
                 start += size
-        out = torch.zeros_like(x)
-        if outputs:
-            scaled = torch.cat(outputs) * weights.flatten()[assignments].unsqueeze(1).to(x.dtype)
-            out.index_add_(0, tokens, scaled)
-        return out
-
-    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_proj[expert])
-        activated = cpu_layers.silu_and_mul(gate_up) if cpu_layers.handles(gate_up) else silu_and_mul(gate_up)
-        return F.linear(activated, self.down_proj[expert])
+        expert_out *= weights.flatten()[assignments].unsqueeze(1).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, expert_out)
 
     def checkpoint_parts(self, param_name: str) -> list[str]:
         """Checkpoint names, relative to this module, of each part of ``param_name``: for
