@@ -10,6 +10,8 @@ from strata.worker.parallel_state import TensorParallel
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral: Llama attention and a ``SparseMoE`` feed-forward in every layer."""
+
     def decoder_layer(
         self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend, index: int
     ) -> LlamaDecoderLayer:
