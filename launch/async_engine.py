@@ -17,8 +17,9 @@ from strata.engine_core.sampling_params import SamplingParams
 from strata.launch.engine.core_client import AsyncCoreClient, EngineDeadError
 from strata.launch.engine_args import EngineArgs, ResolvedConfig, resolve
 from strata.launch.output_processor import CompletionDelta, OutputProcessor
-from strata.launch.tokenizer import load_tokenizer
 from strata.launch.outputs import RequestOutput
+from strata.launch.prompts import encode_text
+from strata.launch.tokenizer import load_tokenizer
 
 T = TypeVar("T")
 
@@ -56,7 +57,8 @@ class AsyncEngine:
         return self.config.scheduler.max_model_len
 
     def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        """A text prompt's token ids, with the tokenizer's default special tokens."""
+        return encode_text(self.tokenizer, prompt)
 
     async def off_loop(self, work: Callable[..., T], *args: object) -> T:
         """Run ``work(*args)`` (tokenizing, chat templates: CPU work that grows with the prompt)

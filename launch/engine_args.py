@@ -150,10 +150,13 @@ def make_offload_connector(
 
 def resolve(args: EngineArgs) -> ResolvedConfig:
     """Locate the model (converting the default GGUF once) and derive every config from it."""
-    from strata.worker.model_loader import resolve_model_path  # torch-heavy: only when actually building
+    # torch-heavy: only when actually building
+    from strata.worker.model_loader import resolve_model_path
+    from strata.worker.model_registry import model_class
 
     path = resolve_model_path(args.model)
     model_config = json.loads((path / "config.json").read_text())
+    model_class(model_config.get("model_type", ""), model_config.get("architectures"))  # fail before any process starts
     model_max = int(model_config.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP))
     if args.max_model_len is None:
         max_model_len = min(model_max, DEFAULT_MAX_MODEL_LEN_CAP)

@@ -11,8 +11,9 @@ from strata.engine_core.sampling_params import SamplingParams
 from strata.launch.engine_args import EngineArgs, resolve
 from strata.launch.engine.engine_client import start_engine
 from strata.launch.output_processor import OutputProcessor
-from strata.launch.tokenizer import load_tokenizer
 from strata.launch.outputs import RequestOutput
+from strata.launch.prompts import encode_chat, encode_text
+from strata.launch.tokenizer import load_tokenizer
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -39,7 +40,8 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete every prompt (text, or token ids); outputs come back in prompt order."""
+        """Complete every prompt (text, or token ids); outputs come back in prompt order. Text
+        is encoded with the tokenizer's default special tokens (a BOS where it adds one)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -49,7 +51,7 @@ class LLM:
         request_ids = []
         for prompt, params in zip(prompts, sampling_params):
             if isinstance(prompt, str):
-                text, token_ids = prompt, self._require_tokenizer().encode(prompt, add_special_tokens=False)
+                text, token_ids = prompt, encode_text(self._require_tokenizer(), prompt)
             elif all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
                 text, token_ids = None, list(prompt)
             else:
@@ -71,11 +73,7 @@ class LLM:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self._require_tokenizer()
-        prompts = [
-            tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-            for conversation in conversations
-        ]
-        token_ids = [tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts]
+        token_ids = [encode_chat(tokenizer, conversation) for conversation in conversations]
         return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
 
     def _require_tokenizer(self) -> PreTrainedTokenizerBase:

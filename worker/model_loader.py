@@ -21,7 +21,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedConfig
 
-from strata.worker.llama import SUPPORTED_MODEL_TYPES, AttentionBackend, LlamaForCausalLM
+from strata.worker.llama import AttentionBackend, LlamaForCausalLM
+from strata.worker.model_registry import model_class
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.tp_layers import TensorSource
 
@@ -142,12 +143,7 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        architectures = ", ".join(config.architectures or []) or "no architectures listed"
-        raise ValueError(
-            f"model type {config.model_type!r} ({architectures}) is not supported; "
-            f"supported model types: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
-        )
+    model_cls = model_class(config.model_type, config.architectures)
     window = getattr(config, "sliding_window", None)
     if window:
         logger.warning(
@@ -157,7 +153,7 @@ def load_model(
             window,
         )
     with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(config, tp, attn_backend)
+        model = model_cls(config, tp, attn_backend)
     if load_format == "dummy":
         model.load_weights(dummy_weights(config, dtype, device))
     else:

@@ -1,4 +1,5 @@
-"""Our Llama-family model equals transformers on tiny random checkpoints, run through the paged cache."""
+"""Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral) equals transformers on tiny
+random checkpoints, run through the paged cache."""
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ from transformers import PreTrainedModel
 
 from strata.worker.llama import LlamaForCausalLM
 
-from model_factory import hf_greedy, random_prompts, save_tiny_model, tiny_llama_config, tiny_qwen2_config
+from model_factory import TINY_CONFIGS, hf_greedy, random_prompts, save_tiny_model
 from worker_helpers import PagedRunner, greedy_decode, load_ours
 
 # Ragged, and crossing 16-token block boundaries.
@@ -15,11 +16,10 @@ PROMPT_LENGTHS = [5, 17, 33]
 Models = tuple[PreTrainedModel, LlamaForCausalLM]  # (the HF reference, ours loaded from its checkpoint)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
 def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Models:
-    config = tiny_llama_config() if request.param == "llama" else tiny_qwen2_config()
     path = tmp_path_factory.mktemp(request.param)
-    return save_tiny_model(config, path), load_ours(path)
+    return save_tiny_model(TINY_CONFIGS[request.param](), path), load_ours(path)
 
 
 @torch.inference_mode()

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from strata.worker.parallel_state import init_tensor_parallel
 
-from model_factory import random_prompts, save_tiny_model, tiny_llama_config
+from model_factory import TINY_CONFIGS, random_prompts, save_tiny_model, tiny_llama_config
 from worker_helpers import PagedRunner, greedy_decode, load_ours
 
 TP_SIZE = 2
@@ -94,3 +94,15 @@ def test_two_ranks_on_one_gpu_through_gloo_give_the_logits_of_one_rank(tmp_path:
     )
     for rank_logits in _run_ranks(tmp_path, tmp_path, device="cuda:0"):
         torch.testing.assert_close(rank_logits, expected.cpu(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_two_expert_parallel_ranks_give_the_logits_of_one_rank(kind: str, tmp_path: Path) -> None:
+    # 6 and 5 experts over 2 ranks: each rank computes only the tokens routed to its experts.
+    config = TINY_CONFIGS[kind]()
+    save_tiny_model(config, tmp_path)
+    _, expected = greedy_decode(
+        PagedRunner(load_ours(tmp_path)), random_prompts(PROMPT_LENGTHS, config.vocab_size), DECODE_TOKENS
+    )
+    for rank_logits in _run_ranks(tmp_path, tmp_path):
+        torch.testing.assert_close(rank_logits, expected, atol=1e-4, rtol=1e-4)
