@@ -48,8 +48,9 @@ class ReplicaSet:
 
     def route(self, request: EngineCoreRequest) -> int:
         self.drain_events()
-        replica = self.router.choose(request.prompt_token_ids)
-        self.router.routed(replica, request.prompt_token_ids)
+        block_hashes = self.router.block_hashes(request.prompt_token_ids)
+        replica = self.router.choose(block_hashes)
+        self.router.routed(replica, block_hashes, len(request.prompt_token_ids))
         self.owner[request.request_id] = replica
         self._tokens[request.request_id] = len(request.prompt_token_ids)
         return replica

@@ -42,8 +42,9 @@ class Router:
     def num_hashes(self) -> int:
         return len(self._holders)
 
-    def choose(self, token_ids: list[int]) -> int:
-        """The replica for a prompt (does not record it: see ``routed``)."""
+    def choose(self, block_hashes: list[bytes]) -> int:
+        """The replica for a prompt with these block hashes (see ``block_hashes``; only
+        cache-aware routing reads them). Does not record the choice: see ``routed``."""
         if not self.live:
             raise RuntimeError("no replica is serving")
         if self.policy == "round-robin":
@@ -51,22 +52,23 @@ class Router:
         least = min(self.live, key=self.load.__getitem__)
         if self.policy == "least-loaded":
             return least
-        holders = self._longest_prefix_holders(self.block_hashes(token_ids))
+        holders = self._longest_prefix_holders(block_hashes)
         if not holders:
             return least
         best = min(holders, key=self.load.__getitem__)
         return least if self.load[best] > self.load[least] + self.load_margin else best
 
     def block_hashes(self, token_ids: list[int]) -> list[bytes]:
+        """The prompt's full-block hashes, as the EngineCore computes them ([] unless cache-aware)."""
         hashes: list[bytes] = []
-        extend_block_hashes(hashes, token_ids, self.block_size)
+        if self.policy == "cache-aware":
+            extend_block_hashes(hashes, token_ids, self.block_size)
         return hashes
 
-    def routed(self, replica: int, token_ids: list[int]) -> None:
-        """``token_ids`` went to ``replica``: count its load and expect its blocks there."""
-        self.load[replica] += len(token_ids)
-        if self.policy == "cache-aware":
-            self._insert(self.block_hashes(token_ids), replica, GPU_TIER)
+    def routed(self, replica: int, block_hashes: list[bytes], num_tokens: int) -> None:
+        """A prompt of ``num_tokens`` went to ``replica``: count its load, expect its blocks there."""
+        self.load[replica] += num_tokens
+        self._insert(block_hashes, replica, GPU_TIER)
 
     def add_load(self, replica: int, num_tokens: int) -> None:
         """Tokens generated (positive) or a finished request's tokens (negative) on ``replica``."""
