@@ -11,24 +11,8 @@ copies, and the connector reports back here when the copies are done.
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import msgspec
-
 from strata.connector.policies import make_policy
-
-
-class BlocksStored(msgspec.Struct, array_like=True, tag="stored"):
-    """These keys became hits in the CPU tier."""
-
-    block_hashes: list[bytes]
-
-
-class BlocksRemoved(msgspec.Struct, array_like=True, tag="removed"):
-    """These keys were evicted from the CPU tier."""
-
-    block_hashes: list[bytes]
-
-
-OffloadEvent = BlocksStored | BlocksRemoved
+from strata.engine_core.kv_events import CPU_TIER, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass
@@ -48,17 +32,20 @@ class _CPUBlock:
 
 
 class CPUTier:
-    """Index over ``num_blocks`` CPU blocks, keyed by the chained prefix hash of each block."""
+    """Index over ``num_blocks`` CPU blocks of ``block_size`` tokens, keyed by the chained
+    prefix hash of each block (that of the last GPU block inside it). Its KV events (the
+    keys that became hits or were evicted) wait in ``take_events`` for the EngineCore."""
 
-    def __init__(self, num_blocks: int, policy: str = "lru") -> None:
+    def __init__(self, num_blocks: int, policy: str = "lru", block_size: int = 16) -> None:
         if num_blocks < 1:
             raise ValueError(f"the CPU tier needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.block_size = block_size
         self._policy = make_policy(policy, num_blocks)
         self._blocks: dict[bytes, _CPUBlock] = {}
         self._free_ids = list(range(num_blocks - 1, -1, -1))
         self._num_pinned = 0  # blocks with pins > 0; all of them are ready
-        self._events: list[OffloadEvent] = []
+        self._events: list[KVEvent] = []
 
     @property
     def usage(self) -> float:
@@ -120,7 +107,7 @@ class CPUTier:
             evicted = self._policy.evict(shortfall, self._is_unpinned)
             for block_hash in evicted:
                 self._free_ids.append(self._blocks.pop(block_hash).block_id)
-            self._events.append(BlocksRemoved(evicted))
+            self._events.append(BlockRemoved(evicted, CPU_TIER))
         block_ids = []
         for block_hash in new_hashes:
             block = self._blocks[block_hash] = _CPUBlock(self._free_ids.pop())
@@ -136,9 +123,11 @@ class CPUTier:
             else:
                 self._free_ids.append(self._blocks.pop(block_hash).block_id)
         if success:
-            self._events.append(BlocksStored(list(hashes)))
+            # The tier does not know a key's parent: the keys of one store are consecutive
+            # blocks of one request, but their parent may have been stored long ago.
+            self._events.append(BlockStored(list(hashes), None, len(hashes) * self.block_size, CPU_TIER))
 
-    def take_events(self) -> list[OffloadEvent]:
+    def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events
 

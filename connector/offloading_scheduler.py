@@ -25,9 +25,10 @@ asks again next step, when the first request's blocks serve it from the GPU pref
 import itertools
 from dataclasses import dataclass
 
-from strata.connector.cpu_tier import CPUTier, OffloadEvent
+from strata.connector.cpu_tier import CPUTier
 from strata.engine_core.block_hash import extend_block_hashes
 from strata.engine_core.kv_connector import SchedulerConnector
+from strata.engine_core.kv_events import KVEvent
 from strata.engine_core.protocol import (
     BlockTransfer,
     KVConnectorMetadata,
@@ -93,7 +94,7 @@ class OffloadingConnectorScheduler(SchedulerConnector):
         self.block_size = block_size
         self.offload_block_size = offload_block_size
         self.factor = offload_block_size // block_size
-        self.tier = CPUTier(num_cpu_blocks, policy)
+        self.tier = CPUTier(num_cpu_blocks, policy, offload_block_size)
         self.stats = OffloadStats()
         self._requests: dict[str, _RequestState] = {}  # admitted and not finished or preempted
         self._by_handle: dict[int, _RequestState] = {}
@@ -229,7 +230,7 @@ class OffloadingConnectorScheduler(SchedulerConnector):
             "offload_cpu_usage": self.tier.usage,
         }
 
-    def take_events(self) -> list[OffloadEvent]:
+    def take_events(self) -> list[KVEvent]:
         return self.tier.take_events()
 
     # ---- helpers -------------------------------------------------------------------------

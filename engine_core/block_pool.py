@@ -3,6 +3,8 @@
 from dataclasses import dataclass
 from typing import Iterable
 
+from strata.engine_core.kv_events import GPU_TIER, AllBlocksCleared, BlockRemoved, KVEvent
+
 
 @dataclass(eq=False, slots=True)
 class KVCacheBlock:
@@ -58,9 +60,10 @@ class FreeBlockQueue:
 
 class BlockPool:
     """Owns every block: hands out free ones (evicting their cached prefix), shares cached
-    full blocks by hash, and takes blocks back when their last holder lets go."""
+    full blocks by hash, and takes blocks back when their last holder lets go. With
+    ``record_events`` it lists evictions and resets in ``events`` for the KV-event stream."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, record_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -68,6 +71,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
+        self.record_events = record_events
+        self.events: list[KVEvent] = []
 
     @property
     def num_free(self) -> int:
@@ -77,12 +82,17 @@ class BlockPool:
         if count > self.free_queue.num_free:
             raise ValueError(f"asked for {count} blocks, only {self.free_queue.num_free} free")
         blocks = []
+        evicted: list[bytes] = []
         for _ in range(count):
             block = self.free_queue.pop_front()
             if block.block_hash is not None:
-                self._evict(block)
+                evicted.append(block.block_hash)
+                del self.cached[block.block_hash]
+                block.block_hash = None
             block.ref_count = 1
             blocks.append(block)
+        if evicted and self.record_events:
+            self.events.append(BlockRemoved(evicted, GPU_TIER))
         return blocks
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
@@ -102,19 +112,22 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        """Register a full block under its prefix hash. If another block already holds that
-        prefix, this one stays anonymous: its twin keeps serving hits."""
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """Register a full block under its prefix hash; False if it was not registered
+        because another block already holds that prefix (its twin keeps serving hits)."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            return True
+        return False
 
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        if self.record_events:
+            self.events.append(AllBlocksCleared(GPU_TIER))
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        assert block.block_hash is not None
-        del self.cached[block.block_hash]
-        block.block_hash = None
+    def take_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events

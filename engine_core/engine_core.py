@@ -11,6 +11,7 @@ from typing import Protocol
 import msgspec
 
 from strata.engine_core.kv_connector import SchedulerConnector
+from strata.engine_core.kv_events import KVEventPublisher
 from strata.engine_core.protocol import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 from strata.engine_core.request import Request
 from strata.engine_core.scheduler import Scheduler, SchedulerConfig
@@ -34,11 +35,19 @@ class Executor(Protocol):
 
 
 class EngineCore:
+    """Steps the scheduler on the executor. With an ``event_publisher``, every step's KV
+    events go out as one batch; without, the connector's are still drained and dropped."""
+
     def __init__(
-        self, config: SchedulerConfig, executor: Executor, connector: SchedulerConnector | None = None
+        self,
+        config: SchedulerConfig,
+        executor: Executor,
+        connector: SchedulerConnector | None = None,
+        event_publisher: KVEventPublisher | None = None,
     ) -> None:
         self.executor = executor
-        self.scheduler = Scheduler(config, executor.num_blocks, connector)
+        self.event_publisher = event_publisher
+        self.scheduler = Scheduler(config, executor.num_blocks, connector, record_kv_events=event_publisher is not None)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; one that can never run is answered with an ``error`` output."""
@@ -72,7 +81,16 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        events = self.scheduler.take_kv_events()
+        if self.event_publisher is not None:
+            self.event_publisher.publish(events)
+        return outputs
+
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.kv.reset_prefix_cache()
+        if self.event_publisher is not None:
+            self.event_publisher.publish(self.scheduler.take_kv_events())
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -6,6 +6,7 @@ from typing import Sequence
 
 from strata.engine_core.block_hash import extend_block_hashes
 from strata.engine_core.block_pool import BlockPool, KVCacheBlock
+from strata.engine_core.kv_events import GPU_TIER, BlockStored
 from strata.engine_core.request import Request
 
 
@@ -22,10 +23,12 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Each request's block table (a list of blocks, in token order) over one ``BlockPool``."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, record_events: bool = False
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, record_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.held: dict[str, list[KVCacheBlock]] = {}  # blocks a connector copy still uses
@@ -121,10 +124,24 @@ class KVCacheManager:
         num_cached = self._num_cached_blocks[request.request_id]
         if num_full <= num_cached:
             return
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        hashes = request.block_hashes
+        extend_block_hashes(hashes, request.all_token_ids, self.block_size)
+        run_start = None  # the first index of the current run of newly registered blocks
         for index in range(num_cached, num_full):
-            self.pool.cache_block(blocks[index], request.block_hashes[index])
+            if self.pool.cache_block(blocks[index], hashes[index]):
+                run_start = index if run_start is None else run_start
+            elif run_start is not None:
+                self._stored(hashes, run_start, index)
+                run_start = None
+        if run_start is not None:
+            self._stored(hashes, run_start, num_full)
         self._num_cached_blocks[request.request_id] = num_full
+
+    def _stored(self, hashes: list[bytes], start: int, end: int) -> None:
+        if self.pool.record_events:
+            parent = hashes[start - 1] if start else None
+            event = BlockStored(hashes[start:end], parent, (end - start) * self.block_size, GPU_TIER)
+            self.pool.events.append(event)
 
     def free(self, request: Request) -> None:
         """Release a request's blocks tail-first, so its prefix stays cached the longest."""

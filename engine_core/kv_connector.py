@@ -6,6 +6,7 @@ beyond the local prefix hit, tells it which blocks were allocated, collects the 
 transfer metadata for the workers, and hears back which transfers finished.
 """
 
+from strata.engine_core.kv_events import KVEvent
 from strata.engine_core.protocol import KVConnectorMetadata, KVConnectorOutput, SchedulerOutput
 from strata.engine_core.request import Request
 
@@ -44,7 +45,8 @@ class SchedulerConnector:
         ``request_finished`` (a connector may flush the blocks to keep their KV)."""
         return None
 
-    def take_events(self) -> list[object]:
+    def take_events(self) -> list[KVEvent]:
+        """KV events of the connector's own tier since the last call (drained every step)."""
         return []
 
     def scheduler_stats(self) -> dict[str, int | float]:

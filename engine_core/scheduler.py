@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from strata.engine_core.block_pool import KVCacheBlock
 from strata.engine_core.kv_cache_manager import KVCacheManager
 from strata.engine_core.kv_connector import SchedulerConnector
+from strata.engine_core.kv_events import KVEvent
 from strata.engine_core.protocol import (
     CachedRequestData,
     EngineCoreOutputs,
@@ -71,9 +72,10 @@ class Scheduler:
         config: SchedulerConfig,
         num_blocks: int,
         connector: SchedulerConnector | None = None,
+        record_kv_events: bool = False,
     ) -> None:
         self.config = config
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, record_kv_events)
         self.connector = connector or SchedulerConnector()
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
@@ -455,6 +457,10 @@ class Scheduler:
             self.kv.free(request)
         else:
             self.kv.hold(request, hold_key)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The prefix cache's KV events (if recorded) and the connector's, since the last call."""
+        return self.kv.pool.take_events() + self.connector.take_events()
 
     def stats(self) -> SchedulerStats:
         prefix = self.kv.prefix_stats

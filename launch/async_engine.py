@@ -14,6 +14,7 @@ from typing import TypeVar
 
 from strata.engine_core.protocol import EngineCoreOutputs, SchedulerStats
 from strata.engine_core.sampling_params import SamplingParams
+from strata.launch.data_parallel.replicas import AsyncDPClient
 from strata.launch.engine.core_client import AsyncCoreClient, EngineDeadError
 from strata.launch.engine_args import EngineArgs, ResolvedConfig, resolve
 from strata.launch.output_processor import CompletionDelta, OutputProcessor
@@ -35,7 +36,7 @@ class AsyncEngine:
         if config.tokenizer_path is None:
             raise ValueError("the async engine and the server need a tokenizer: pass --tokenizer DIR, not --skip-tokenizer")
         self.tokenizer = load_tokenizer(config.tokenizer_path)
-        self.client = AsyncCoreClient(config)
+        self.client = AsyncCoreClient(config) if args.data_parallel_size == 1 else AsyncDPClient(args, config)
         self.processor = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_id)
         self._streams: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
@@ -103,13 +104,25 @@ class AsyncEngine:
         return self.processor.outputs[request_id]
 
     async def debug_state(self) -> dict:
+        """The EngineCore's state; with data parallelism, {replica: state} of the live ones."""
         return await self.client.call_utility("debug_state")
 
-    async def check_health(self) -> None:
-        """Raise ``EngineDeadError`` unless the EngineCore answers a ping."""
+    def replica_stats(self) -> dict[int, SchedulerStats]:
+        """Each serving replica's ``SchedulerStats`` as of its last step (replica 0 alone
+        without data parallelism)."""
+        if isinstance(self.client, AsyncDPClient):
+            return dict(self.client.replicas.stats)
+        return {} if self.stats is None else {0: self.stats}
+
+    async def check_health(self) -> dict[int, str]:
+        """Each replica's state, "ok" or why it died, once every live one answered a ping.
+        Raises ``EngineDeadError`` if none serves."""
         if self.client.dead_reason is not None:
             raise EngineDeadError(self.client.dead_reason)
         await self.client.call_utility("ping", timeout_s=5.0)
+        if isinstance(self.client, AsyncDPClient):
+            return self.client.replicas.health()
+        return {0: "ok"}
 
     def _on_output(self, outputs: EngineCoreOutputs) -> None:
         self.stats = outputs.stats or self.stats

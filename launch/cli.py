@@ -96,6 +96,9 @@ def _bench_serve(args: argparse.Namespace) -> None:
             max_concurrency=args.max_concurrency,
             max_tokens=args.max_tokens,
             seed=args.seed,
+            workload=args.workload,
+            tenants=args.tenants,
+            system_prompt_words=args.system_prompt_words,
         )
     result = bench_serve.run(load)
     print(json.dumps(result) if args.json else bench_serve.format_result(result))
@@ -201,6 +204,10 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (unset: no limit)")
     serve.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (EOS ignored)")
     serve.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times")
+    serve.add_argument("--workload", default="random", choices=bench_serve.WORKLOADS,
+                       help="multi-tenant: long system prompts shared by many short conversations, interleaved")
+    serve.add_argument("--tenants", type=int, default=8, help="multi-tenant: system prompts")
+    serve.add_argument("--system-prompt-words", type=int, default=400, help="multi-tenant: words per system prompt")
     serve.add_argument("--json", action="store_true", help="print one JSON object")
     serve.set_defaults(handler=_bench_serve, parser=serve)
 

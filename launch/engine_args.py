@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from strata.worker.config import WorkerConfig
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 LOAD_FORMATS = ("auto", "dummy")  # as worker.model_loader.LOAD_FORMATS, without importing torch here
 RAY_PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
+DP_ROUTING_POLICIES = ("cache-aware", "least-loaded", "round-robin")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,12 @@ class EngineArgs:
     ray_address: str | None = None
     ray_placement_strategy: str = "PACK"
     ray_placement_timeout_s: float = 60.0
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    data_parallel_size: int = 1
+    dp_routing: str = "cache-aware"
+    dp_load_margin: int = 2048
+    dp_router_max_hashes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.executor not in ("uni", "mp", "ray"):
@@ -81,6 +89,27 @@ class EngineArgs:
             )
         if self.ray_placement_timeout_s <= 0:
             raise ValueError(f"ray_placement_timeout_s must be > 0, got {self.ray_placement_timeout_s}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.executor == "uni" and self.data_parallel_size != 1:
+            raise ValueError("the uni executor runs one replica: use --executor mp or ray for data parallelism")
+        if self.executor == "ray" and self.data_parallel_size > 1 and not (self.ray_address or os.environ.get("RAY_ADDRESS")):
+            raise ValueError(
+                "data parallelism on Ray needs a running cluster that every replica joins: start one "
+                "(strata launch ray --head) and pass --ray-address or set RAY_ADDRESS"
+            )
+        if self.dp_routing not in DP_ROUTING_POLICIES:
+            raise ValueError(f"dp_routing must be one of {', '.join(DP_ROUTING_POLICIES)}, got {self.dp_routing!r}")
+        if self.dp_load_margin < 0:
+            raise ValueError(f"dp_load_margin must be >= 0, got {self.dp_load_margin}")
+        if self.dp_router_max_hashes < 1:
+            raise ValueError(f"dp_router_max_hashes must be >= 1, got {self.dp_router_max_hashes}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, name)
+            if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{name} must be a tcp:// or ipc:// endpoint, got {endpoint!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +141,15 @@ class EngineArgs:
         add("--ray-address", default=None, help="ray: head host:port (default $RAY_ADDRESS, else a local cluster)")
         add("--ray-placement-strategy", default="PACK", choices=RAY_PLACEMENT_STRATEGIES, help="ray: rank layout")
         add("--ray-placement-timeout-s", type=float, default=60.0, help="ray: fail if the ranks are not placed by then")
+        add("--kv-events-endpoint", default=None,
+            help="publish KV events on this ZeroMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (off by default)")
+        add("--kv-events-replay-endpoint", default=None,
+            help="replay socket for missed KV-event batches (default: the next TCP port, or PATH-replay)")
+        add("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas, each with its own TP workers")
+        add("--dp-routing", default="cache-aware", choices=DP_ROUTING_POLICIES, help="how requests pick a replica")
+        add("--dp-load-margin", type=int, default=2048,
+            help="cache-aware: tokens of extra load a prefix hit may cost before least-loaded wins")
+        add("--dp-router-max-hashes", type=int, default=1 << 20, help="cache-aware: block hashes the router remembers")
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -131,6 +169,8 @@ class ResolvedConfig:
     worker_timeout_s: float = 60.0
     ray: RayConfig | None = None  # for --executor ray only
     kv_offload_policy: str = "lru"
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     def make_connector(self, num_cpu_blocks: int) -> SchedulerConnector | None:
         return make_offload_connector(self.scheduler, self.worker, self.kv_offload_policy, num_cpu_blocks)
@@ -195,7 +235,8 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
     if args.executor == "ray":
         ray_config = RayConfig(args.ray_address, args.ray_placement_strategy, args.ray_placement_timeout_s)
     return ResolvedConfig(
-        path, _tokenizer_path(args, path), scheduler, worker, args.executor, args.worker_timeout_s, ray_config, args.kv_offload_policy
+        path, _tokenizer_path(args, path), scheduler, worker, args.executor, args.worker_timeout_s, ray_config,
+        args.kv_offload_policy, args.kv_events_endpoint, args.kv_events_replay_endpoint,
     )
 
 

@@ -3,7 +3,11 @@
 Like ``vllm bench serve``: seeded synthetic prompts go out as streaming ``/v1/completions``
 requests (greedy, EOS ignored, so each yields exactly ``max_tokens`` tokens), all at once or
 at a Poisson request rate, with an optional cap on requests in flight. Reported: throughput
-and the time to first token (TTFT), per output token after the first (TPOT) and end to end.
+and the time to first token (TTFT), per output token after the first (TPOT) and end to end,
+and from the server's ``/metrics`` the prompt tokens it prefilled and its prefix-cache hit
+rate over the run. ``workload="multi-tenant"``: ``tenants`` long system prompts, each
+opening the prompts of many short conversations, which arrive interleaved (each request's
+tenant drawn at random, seeded): the load a cache-aware router is for.
 Only loopback URLs are accepted: a load generator must not hit another machine by mistake.
 """
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 _WORDS = (
     "the quick brown fox jumps over a lazy dog while seven curious engineers measure latency of "
@@ -25,6 +30,7 @@ _WORDS = (
     "river mountain garden library window paper orbit signal memory cache block batch queue"
 ).split()
 PROMPT_WORDS = (24, 40)  # words per prompt, uniformly drawn
+WORKLOADS = ("random", "multi-tenant")
 REQUEST_TIMEOUT_S = 600.0  # a request that takes longer counts as failed
 _MAX_REPORTED_ERRORS = 5
 
@@ -40,6 +46,9 @@ class Load:
     max_concurrency: int | None = None
     max_tokens: int = 64
     seed: int = 0
+    workload: str = "random"
+    tenants: int = 8
+    system_prompt_words: int = 400
 
     def __post_init__(self) -> None:
         _check_loopback(self.url)
@@ -51,6 +60,10 @@ class Load:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
+        if self.tenants < 1 or self.system_prompt_words < 1:
+            raise ValueError(f"tenants and system_prompt_words must be >= 1, got {self.tenants}, {self.system_prompt_words}")
 
 
 @dataclass
@@ -69,6 +82,22 @@ def make_prompts(num_prompts: int, seed: int) -> list[str]:
     return [" ".join(rng.choices(_WORDS, k=rng.randint(*PROMPT_WORDS))) for _ in range(num_prompts)]
 
 
+def make_multi_tenant_prompts(num_prompts: int, tenants: int, system_prompt_words: int, seed: int) -> list[str]:
+    """Each prompt: a random tenant's system prompt, then a short conversation of its own."""
+    rng = random.Random(seed)
+    systems = [
+        f"You are assistant number {tenant}. " + " ".join(rng.choices(_WORDS, k=system_prompt_words))
+        for tenant in range(tenants)
+    ]
+    return [f"{rng.choice(systems)}\nUser: {question}" for question in make_prompts(num_prompts, seed + 1)]
+
+
+def _prompts(load: Load) -> list[str]:
+    if load.workload == "multi-tenant":
+        return make_multi_tenant_prompts(load.num_prompts, load.tenants, load.system_prompt_words, load.seed)
+    return make_prompts(load.num_prompts, load.seed)
+
+
 def run(load: Load) -> dict:
     """Send the load and return the figures (see ``format_result``)."""
     return asyncio.run(_run(load))
@@ -82,16 +111,40 @@ async def _run(load: Load) -> dict:
         base_url=load.url, limits=limits, timeout=REQUEST_TIMEOUT_S, trust_env=False
     ) as client:
         model = await _model_name(client)
+        before = await _cache_counters(client)
         gate = asyncio.Semaphore(in_flight)
         started = time.perf_counter()
         tasks = []
-        for prompt in make_prompts(load.num_prompts, load.seed):
+        for prompt in _prompts(load):
             tasks.append(asyncio.create_task(_request(client, gate, model, prompt, load.max_tokens)))
             if math.isfinite(load.request_rate):
                 await asyncio.sleep(arrivals.expovariate(load.request_rate))
         samples = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - started
-    return _summarize(load, model, samples, elapsed)
+        after = await _cache_counters(client)
+    result = _summarize(load, model, samples, elapsed)
+    grown = {name: after[name] - before.get(name, 0.0) for name in after}
+    result["prefill_tokens"] = int(grown.get("strata_prompt_tokens_computed_total", 0))
+    queries = grown.get("strata_prefix_cache_queries_total", 0.0)
+    result["prefix_hit_rate"] = grown.get("strata_prefix_cache_hits_total", 0.0) / queries if queries else None
+    return result
+
+
+async def _cache_counters(client: httpx.AsyncClient) -> dict[str, float]:
+    """The server's prefill and prefix-cache counters, summed over replicas."""
+    response = await client.get("/metrics")
+    response.raise_for_status()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name in _CACHE_COUNTERS:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+_CACHE_COUNTERS = (
+    "strata_prompt_tokens_computed_total", "strata_prefix_cache_queries_total", "strata_prefix_cache_hits_total"
+)
 
 
 async def _model_name(client: httpx.AsyncClient) -> str:
@@ -145,6 +198,7 @@ def _summarize(load: Load, model: str, samples: list[_Sample], elapsed: float) -
         "request_rate": load.request_rate if math.isfinite(load.request_rate) else "inf",
         "max_concurrency": load.max_concurrency,
         "max_tokens": load.max_tokens,
+        "workload": load.workload,
         "completed": len(done),
         "failed": len(samples) - len(done),
         "errors": [sample.error for sample in samples if sample.error is not None][:_MAX_REPORTED_ERRORS],
@@ -175,6 +229,11 @@ def format_result(result: dict) -> str:
                 f"{name.upper()} ms: mean {result[f'mean_{name}_ms']:.1f}, median {result[f'median_{name}_ms']:.1f}, "
                 f"p99 {result[f'p99_{name}_ms']:.1f}"
             )
+    hit_rate = result.get("prefix_hit_rate")
+    lines.append(
+        f"prefill: {result.get('prefill_tokens')} prompt tokens computed; prefix-cache hit rate "
+        + ("n/a" if hit_rate is None else f"{hit_rate:.1%}")
+    )
     lines += [f"error: {error}" for error in result["errors"]]
     return "\n".join(lines)
 

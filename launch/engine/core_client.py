@@ -31,6 +31,7 @@ from strata.engine_core.protocol import (
 )
 from strata.launch.engine_args import ResolvedConfig
 from strata.launch.engine.engine_process import INPUT_ENDPOINT, OUTPUT_ENDPOINT, EngineProcessConfig
+from strata.launch.engine.kv_event_endpoints import connectable, replica_event_endpoints
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +45,22 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCoreProcess:
-    """The child process running the EngineCore, and its private IPC directory."""
+    """The child process running the EngineCore, and its private IPC directory. ``replica``
+    numbers it among data-parallel replicas; ``private_events`` makes it publish KV events
+    on private IPC endpoints when the user named none (for the router)."""
 
-    def __init__(self, config: ResolvedConfig) -> None:
+    def __init__(self, config: ResolvedConfig, replica: int = 0, private_events: bool = False) -> None:
         self.ipc = IpcDir()
         self.input_endpoint = self.ipc.endpoint(INPUT_ENDPOINT)
         self.output_endpoint = self.ipc.endpoint(OUTPUT_ENDPOINT)
+        event_endpoints = replica_event_endpoints(
+            config.kv_events_endpoint, config.kv_events_replay_endpoint, replica, self.ipc, private_events
+        )
+        # Where a subscriber on this machine connects: (publish, replay), or None.
+        self.kv_events_endpoints = None if event_endpoints is None else tuple(map(connectable, event_endpoints))
         process_config = EngineProcessConfig(
             config.scheduler, config.worker, config.executor, self.ipc.path, config.worker_timeout_s, config.ray,
-            config.kv_offload_policy,
+            config.kv_offload_policy, event_endpoints,
         )
         self.process = subprocess.Popen([sys.executable, "-m", "strata.launch.engine.engine_process"], stdin=subprocess.PIPE)
         assert self.process.stdin is not None
@@ -117,13 +125,22 @@ class _Connection:
 
 
 class SyncCoreClient:
-    def __init__(self, config: ResolvedConfig) -> None:
-        self.process = EngineCoreProcess(config)
+    """The blocking client. ``wait_ready=False`` returns once the process is started; call
+    ``wait_ready`` before anything else (several replicas then start side by side)."""
+
+    def __init__(
+        self, config: ResolvedConfig, replica: int = 0, private_events: bool = False, wait_ready: bool = True
+    ) -> None:
+        self.process = EngineCoreProcess(config, replica, private_events)
         self._conn = _Connection(self.process)
         self.context = zmq.Context()
         self._input = make_socket(self.context, zmq.PUSH, self.process.input_endpoint, bind=False)
         self._output = make_socket(self.context, zmq.PULL, self.process.output_endpoint, bind=False)
         self._replies: dict[int, UtilityResponse] = {}
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         try:
             self._conn.on_ready(self._receive(timeout_s=STARTUP_TIMEOUT_S))
         except BaseException:
@@ -133,6 +150,25 @@ class SyncCoreClient:
     @property
     def num_blocks(self) -> int:
         return self._conn.num_blocks
+
+    @property
+    def output_socket(self) -> zmq.Socket:
+        return self._output
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if the EngineCore is gone."""
+        self._conn.check_alive()
+
+    def next_output(self, timeout_s: float) -> EngineCoreOutputs | None:
+        """The next step's outputs if one arrives within ``timeout_s``, else None."""
+        try:
+            message = self._receive(timeout_s)
+        except TimeoutError:
+            return None
+        if isinstance(message, UtilityResponse):
+            self._replies[message.call_id] = message
+            return None
+        return message if isinstance(message, EngineCoreOutputs) else None
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._conn.check_alive()
@@ -167,9 +203,10 @@ class SyncCoreClient:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             self._conn.check_alive()
-            if self._output.poll(POLL_MS):
+            wait_ms = POLL_MS if deadline is None else min(POLL_MS, max(0, int((deadline - time.monotonic()) * 1000)))
+            if self._output.poll(wait_ms):
                 return self._conn.decode(self._output.recv())
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"no answer from the EngineCore within {timeout_s:.0f} s")
 
     def shutdown(self) -> None:
@@ -181,8 +218,8 @@ class AsyncCoreClient:
     """The asyncio client. ``start`` waits for the engine; outputs are handed to ``on_output``
     from a background task; ``on_dead`` is called once if the engine dies."""
 
-    def __init__(self, config: ResolvedConfig) -> None:
-        self.process = EngineCoreProcess(config)
+    def __init__(self, config: ResolvedConfig, replica: int = 0, private_events: bool = False) -> None:
+        self.process = EngineCoreProcess(config, replica, private_events)
         self._conn = _Connection(self.process)
         self.context = zmq.asyncio.Context()
         self._input = make_socket(self.context, zmq.PUSH, self.process.input_endpoint, bind=False)

@@ -1,10 +1,15 @@
 """Starting an engine for a frontend: in this process (``--executor uni``) or as an EngineCore
 process with workers (``mp``, ``ray``)."""
 
+from typing import TYPE_CHECKING
+
 from strata.engine_core.engine_core import EngineCore
 from strata.engine_core.protocol import EngineCoreOutputs, EngineCoreRequest
 from strata.launch.engine.core_client import SyncCoreClient
 from strata.launch.engine_args import EngineArgs, ResolvedConfig
+
+if TYPE_CHECKING:
+    from strata.launch.data_parallel.replicas import SyncDPClient
 
 
 class InprocClient:
@@ -32,7 +37,11 @@ class InprocClient:
         self.core.shutdown()
 
 
-def start_engine(args: EngineArgs, resolved: ResolvedConfig) -> InprocClient | SyncCoreClient:
+def start_engine(args: EngineArgs, resolved: ResolvedConfig) -> "InprocClient | SyncCoreClient | SyncDPClient":
+    if args.data_parallel_size > 1:
+        from strata.launch.data_parallel.replicas import SyncDPClient
+
+        return SyncDPClient(args, resolved)
     if args.executor == "uni":
         from strata.launch.executors.uni_executor import UniExecutor
 

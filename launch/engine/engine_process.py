@@ -7,10 +7,12 @@ import signal
 import sys
 
 import msgspec
+import zmq
 
 from strata.engine_core.core_loop import EngineCoreLoop, ExecutorFailed
 from strata.engine_core.engine_core import EngineCore, Executor
 from strata.engine_core.ipc import IpcDir, die_with_parent
+from strata.engine_core.kv_events import KVEventPublisher
 from strata.engine_core.protocol import EngineReady
 from strata.engine_core.scheduler import SchedulerConfig
 from strata.launch.engine_args import RayConfig, make_offload_connector
@@ -30,6 +32,7 @@ class EngineProcessConfig(msgspec.Struct):
     worker_timeout_s: float = 60.0
     ray: RayConfig | None = None  # executor "ray" only
     kv_offload_policy: str = "lru"
+    kv_events_endpoints: tuple[str, str] | None = None  # (publish, replay) to bind
 
 
 def build_executor(config: EngineProcessConfig) -> Executor:
@@ -56,19 +59,24 @@ def main() -> None:
     ipc = IpcDir(config.ipc_dir)
     loop = EngineCoreLoop(ipc.endpoint(INPUT_ENDPOINT), ipc.endpoint(OUTPUT_ENDPOINT))
     executor = None
+    publisher = None
     try:
         try:
             executor = build_executor(config)
-        except (ExecutorFailed, ValueError, OSError) as error:
-            loop.report_startup_failure(f"the executor failed to start: {error}")
+            if config.kv_events_endpoints is not None:
+                publisher = KVEventPublisher(*config.kv_events_endpoints)
+        except (ExecutorFailed, ValueError, OSError, zmq.ZMQError) as error:
+            loop.report_startup_failure(f"the engine failed to start: {error}")
             sys.exit(1)
         connector = make_offload_connector(config.scheduler, config.worker, config.kv_offload_policy, executor.num_cpu_blocks)
-        core = EngineCore(config.scheduler, executor, connector)
+        core = EngineCore(config.scheduler, executor, connector, publisher)
         loop.serve(core, EngineReady(executor.num_blocks, executor.vocab_size, executor.num_cpu_blocks))
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
         if executor is not None:
             executor.shutdown()
+        if publisher is not None:
+            publisher.close()
         loop.close()
 
 

@@ -63,7 +63,7 @@ def build_app(engine: AsyncEngine, options: AppOptions) -> FastAPI:
     everything under ``/v1`` needs the API key when one is set."""
     app = FastAPI(title="strata", docs_url=None, redoc_url=None, openapi_url=None)
     model_name = options.served_model_name or default_model_name(engine)
-    metrics = ServerMetrics(lambda: engine.stats)
+    metrics = ServerMetrics(engine.replica_stats)
     completions = Completions(engine, model_name, metrics)
     chat = ChatCompletions(engine, model_name, metrics)
     model_card = ModelCard(id=model_name, created=int(time.time()), max_model_len=engine.max_model_len)
@@ -102,10 +102,14 @@ def build_app(engine: AsyncEngine, options: AppOptions) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         try:
-            await engine.check_health()
+            replicas = await engine.check_health()
         except (RuntimeError, TimeoutError) as error:  # EngineDeadError is a RuntimeError
             raise APIError.unavailable(str(error) or type(error).__name__) from None
-        return JSONResponse({"status": "ok"})
+        if len(replicas) == 1:
+            return JSONResponse({"status": "ok"})
+        # Still 200 while any replica serves, so load balancers keep sending traffic.
+        degraded = any(state != "ok" for state in replicas.values())
+        return JSONResponse({"status": "degraded" if degraded else "ok", "replicas": {str(r): s for r, s in replicas.items()}})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -1,8 +1,9 @@
 """The server's Prometheus metrics (``GET /metrics``), in a registry of its own per server.
 
 Two sources: the server observes every request it finishes (counts by finish reason, token
-counts, latency histograms), and a collector reads the engine's latest ``SchedulerStats`` at
-scrape time (queue sizes, KV-cache usage, prefix-cache hits, preemptions, the CPU offload tier).
+counts, latency histograms), and a collector reads each replica's latest ``SchedulerStats``
+at scrape time (queue sizes, KV-cache usage, prefix-cache hits, preemptions, the CPU offload
+tier), labelled by replica.
 """
 
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0,
 class ServerMetrics:
     """Everything ``/metrics`` shows. ``observe`` is called once per request, when it ends."""
 
-    def __init__(self, scheduler_stats: Callable[[], SchedulerStats | None]) -> None:
+    def __init__(self, replica_stats: Callable[[], dict[int, SchedulerStats]]) -> None:
         self.registry = CollectorRegistry()
         self.finished = Counter(
             "strata_requests_finished",
@@ -49,7 +50,7 @@ class ServerMetrics:
             "strata_e2e_request_latency_seconds", "From arrival to the last output token of a completed request.",
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )
-        self.registry.register(_SchedulerStatsCollector(scheduler_stats))
+        self.registry.register(_SchedulerStatsCollector(replica_stats))
 
     def observe(self, output: RequestOutput) -> None:
         """Count a request that ended (finished, failed or abandoned); time it only if it completed."""
@@ -72,30 +73,61 @@ class ServerMetrics:
 
 
 class _SchedulerStatsCollector(Collector):
-    """The engine's state as of its last step (nothing before the first one)."""
+    """Each replica's state as of its last step (nothing before the first one), labelled
+    ``replica`` (``"0"`` without data parallelism)."""
 
-    def __init__(self, scheduler_stats: Callable[[], SchedulerStats | None]) -> None:
-        self._stats = scheduler_stats
+    def __init__(self, replica_stats: Callable[[], dict[int, SchedulerStats]]) -> None:
+        self._stats = replica_stats
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
-        if stats is None:
+        replicas = sorted(self._stats().items())
+        if not replicas:
             return
-        yield GaugeMetricFamily("strata_num_requests_running", "Requests in the running batch.", stats.num_running)
-        yield GaugeMetricFamily("strata_num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
-        yield GaugeMetricFamily("strata_kv_cache_usage_ratio", "Fraction of KV blocks in use.", stats.kv_cache_usage)
-        yield CounterMetricFamily("strata_num_preemptions", "Requests preempted for KV space.", stats.num_preemptions)
-        yield from _hit_metrics("prefix_cache", "the prefix cache", stats.prefix_cache_queries, stats.prefix_cache_hits)
-        yield from _hit_metrics("offload", "the CPU offload tier", stats.offload_queried_tokens, stats.offload_hit_tokens)
-        yield CounterMetricFamily("strata_offload_bytes_moved", "KV bytes copied to and from the CPU tier.", stats.offload_bytes_moved)
-        yield CounterMetricFamily(
-            "strata_offload_transfer_seconds", "Time spent copying KV to and from the CPU tier.", stats.offload_transfer_seconds
+
+        def family(kind: type, name: str, documentation: str, value: Callable[[SchedulerStats], float]) -> Metric:
+            metric = kind(name, documentation, labels=["replica"])
+            for replica, stats in replicas:
+                metric.add_metric([str(replica)], value(stats))
+            return metric
+
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield family(gauge, "strata_num_requests_running", "Requests in the running batch.", lambda s: s.num_running)
+        yield family(gauge, "strata_num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting)
+        yield family(gauge, "strata_kv_cache_usage_ratio", "Fraction of KV blocks in use.", lambda s: s.kv_cache_usage)
+        yield family(counter, "strata_num_preemptions", "Requests preempted for KV space.", lambda s: s.num_preemptions)
+        yield family(
+            counter, "strata_prompt_tokens_computed", "Prompt tokens the model prefilled (cache hits excluded).",
+            lambda s: s.prompt_tokens_computed,
         )
-        yield GaugeMetricFamily("strata_offload_cpu_usage_ratio", "Fraction of CPU-tier blocks in use.", stats.offload_cpu_usage)
+        for name, what, queries, hits in (
+            ("prefix_cache", "the prefix cache", "prefix_cache_queries", "prefix_cache_hits"),
+            ("offload", "the CPU offload tier", "offload_queried_tokens", "offload_hit_tokens"),
+        ):
+            yield family(counter, f"strata_{name}_queries", f"Prompt tokens looked up in {what}.", _field(queries))
+            yield family(counter, f"strata_{name}_hits", f"Prompt tokens found in {what}.", _field(hits))
+            yield family(
+                gauge, f"strata_{name}_hit_rate", f"Hits / queries of {what}, since start.", _rate(queries, hits)
+            )
+        yield family(
+            counter, "strata_offload_bytes_moved", "KV bytes copied to and from the CPU tier.",
+            lambda s: s.offload_bytes_moved,
+        )
+        yield family(
+            counter, "strata_offload_transfer_seconds", "Time spent copying KV to and from the CPU tier.",
+            lambda s: s.offload_transfer_seconds,
+        )
+        yield family(
+            gauge, "strata_offload_cpu_usage_ratio", "Fraction of CPU-tier blocks in use.", lambda s: s.offload_cpu_usage
+        )
 
 
-def _hit_metrics(name: str, what: str, queries: int, hits: int) -> Iterator[Metric]:
-    yield CounterMetricFamily(f"strata_{name}_queries", f"Prompt tokens looked up in {what}.", queries)
-    yield CounterMetricFamily(f"strata_{name}_hits", f"Prompt tokens found in {what}.", hits)
-    rate = hits / queries if queries else 0.0
-    yield GaugeMetricFamily(f"strata_{name}_hit_rate", f"Hits / queries of {what}, since start.", rate)
+def _field(name: str) -> Callable[[SchedulerStats], float]:
+    return lambda stats: getattr(stats, name)
+
+
+def _rate(queries: str, hits: str) -> Callable[[SchedulerStats], float]:
+    def rate(stats: SchedulerStats) -> float:
+        asked = getattr(stats, queries)
+        return getattr(stats, hits) / asked if asked else 0.0
+
+    return rate

@@ -1,6 +1,7 @@
 """The CPU tier's index: hits only when ready, no eviction of blocks a copy uses, no leaks."""
 
-from strata.connector.cpu_tier import BlocksRemoved, BlocksStored, CPUTier
+from strata.connector.cpu_tier import CPUTier
+from strata.engine_core.kv_events import CPU_TIER, BlockRemoved, BlockStored
 
 
 def keys(*names: str) -> list[bytes]:
@@ -21,7 +22,7 @@ def test_a_block_is_a_hit_only_once_its_store_completed():
     assert tier.lookup(keys("a", "b")) == 0 and tier.num_in_flight == 2
     tier.complete_store(plan.hashes)
     assert tier.lookup(keys("a", "b", "c")) == 2 and tier.num_in_flight == 0
-    assert tier.take_events() == [BlocksStored(keys("a", "b"))]
+    assert tier.take_events() == [BlockStored(keys("a", "b"), None, 32, CPU_TIER)]
     tier.check_invariants()
 
 
@@ -50,7 +51,7 @@ def test_a_full_tier_evicts_in_policy_order_but_never_pinned_or_in_flight_blocks
     tier.take_events()
     plan = tier.prepare_store(keys("e"))
     assert plan is not None and plan.evicted == keys("b")
-    assert tier.take_events() == [BlocksRemoved(keys("b"))]
+    assert tier.take_events() == [BlockRemoved(keys("b"), CPU_TIER)]
     assert tier.lookup(keys("b")) == 0 and tier.lookup(keys("a")) == 1
     tier.check_invariants()
 
@@ -60,7 +61,7 @@ def test_store_without_room_changes_nothing():
     stored(tier, "a")
     tier.prepare_load(keys("a"))
     assert tier.prepare_store(keys("b", "c")) is None
-    assert tier.usage == 0.5 and tier.lookup(keys("a")) == 1 and tier.take_events() == [BlocksStored(keys("a"))]
+    assert tier.usage == 0.5 and tier.lookup(keys("a")) == 1 and tier.take_events() == [BlockStored(keys("a"), None, 16, CPU_TIER)]
     tier.complete_load(keys("a"))
     plan = tier.prepare_store(keys("b", "c"))
     assert plan is not None and plan.evicted == keys("a")

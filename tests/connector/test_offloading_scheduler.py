@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from strata.connector.cpu_tier import BlocksRemoved, BlocksStored
+from strata.engine_core.kv_events import BlockRemoved, BlockStored
 from strata.connector.offloading_scheduler import OffloadingConnectorScheduler
 from connector_helpers import OffloadEngine, expected_output, make_engine, make_request
 from strata.engine_core.block_hash import extend_block_hashes
@@ -30,7 +30,7 @@ def test_resent_prompt_loads_its_prefix_from_cpu_after_the_gpu_evicted_it():
     engine = make_engine(num_gpu_blocks=12, num_cpu_blocks=32)
     engine.add(make_request("first", PROMPT))
     engine.run()
-    assert [type(event) for event in engine.connector.take_events()] == [BlocksStored]
+    assert [type(event) for event in engine.connector.take_events()] == [BlockStored]
     evict_from_gpu(engine)
     prefilled = engine.scheduler.prompt_tokens_computed
 
@@ -247,7 +247,7 @@ def test_stress_small_cpu_tier_random_aborts_nothing_leaks(policy, factor, num_c
         if engine.scheduler.requests and rng.random() < 0.1:
             engine.scheduler.abort_requests([rng.choice(sorted(engine.scheduler.requests))])
         engine.step()
-        evicted += sum(isinstance(event, BlocksRemoved) for event in engine.connector.take_events())
+        evicted += sum(isinstance(event, BlockRemoved) for event in engine.connector.take_events())
     engine.assert_idle()
     finished = {rid: r for rid, r in engine.results.items() if r.finish_reason == "length"}
     assert len(finished) > 120 and len(engine.results) == len(work)

@@ -87,3 +87,13 @@ def test_without_an_address_a_private_cluster_serves_and_goes_with_the_engine():
     finally:
         llm.shutdown()
     wait_until_none_left(lambda: live(started_by_engine))
+
+
+def test_two_replicas_on_ray_give_the_greedy_tokens_of_one_engine_with_a_placement_group_each(ray_cluster):
+    single = greedy_tokens(executor="uni")
+    with LLM(dtype="float32", executor="ray", data_parallel_size=2, ray_address=ray_cluster,
+             dp_routing="round-robin") as llm:
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert len(groups) == 2
+    assert [o.outputs[0].token_ids for o in outputs] == single

@@ -65,8 +65,8 @@ def test_256_concurrent_streams_all_finish_with_every_token_and_are_counted(serv
     assert grew("strata_requests_finished_total{finish_reason=length}") == NUM_REQUESTS
     assert grew("strata_generation_tokens_total") == NUM_REQUESTS * MAX_TOKENS
     assert grew("strata_e2e_request_latency_seconds_count") == NUM_REQUESTS
-    assert after["strata_num_requests_running"] == after["strata_num_requests_waiting"] == 0
-    assert after["strata_kv_cache_usage_ratio"] == 0
+    assert after["strata_num_requests_running{replica=0}"] == after["strata_num_requests_waiting{replica=0}"] == 0
+    assert after["strata_kv_cache_usage_ratio{replica=0}"] == 0
 
 
 def test_bench_serve_cli_completes_every_request(server):
