@@ -22,7 +22,7 @@ from strata.launch.executors import ray_launcher
 from strata.launch.server import serve as server
 from strata.launch.engine_args import EngineArgs
 from strata.launch.llm import LLM
-from strata.launch.server.app import DEFAULT_MAX_REQUEST_BYTES, AppOptions
+from strata.launch.server.app import DEFAULT_MAX_REQUEST_BYTES, PREFIX_CACHE_ISOLATION, AppOptions
 
 USAGE_ERROR = 2
 
@@ -77,7 +77,8 @@ def _serve(args: argparse.Namespace) -> None:
     with _usage_errors(args.parser):
         app = AppOptions(
             served_model_name=args.served_model_name,
-            api_key=args.api_key,
+            api_keys=tuple(args.api_key or ()),
+            prefix_cache_isolation=args.prefix_cache_isolation,
             max_request_bytes=args.max_request_bytes,
             enable_debug_endpoints=args.enable_debug_endpoints,
         )
@@ -162,7 +163,13 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument(
+        "--api-key", action="append", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several)"
+    )
+    parser.add_argument(
+        "--prefix-cache-isolation", default="none", choices=PREFIX_CACHE_ISOLATION,
+        help="per-api-key: requests share prefix-cache blocks only with requests made with the same API key",
+    )
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="bigger: 413")
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (unset: its dir's)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on stop")
