@@ -17,6 +17,7 @@ from strata.launch import generate
 from strata.launch.bench import offload as bench_offload
 from strata.launch.bench import scheduler as bench_scheduler
 from strata.launch.bench import serve as bench_serve
+from strata.launch.bench import soak as bench_soak
 from strata.launch.bench import throughput as bench_throughput
 from strata.launch.executors import ray_launcher
 from strata.launch.server import serve as server
@@ -100,6 +101,14 @@ def _bench_serve(args: argparse.Namespace) -> None:
         )
     result = bench_serve.run(load)
     print(json.dumps(result) if args.json else bench_serve.format_result(result))
+
+
+def _bench_soak(args: argparse.Namespace) -> None:
+    flags = tuple(args.serve_flags[1:] if args.serve_flags[:1] == ["--"] else args.serve_flags)
+    soak = bench_soak.Soak(args.duration_s, args.concurrency, args.seed, args.max_rss_growth, args.long_prompt_words, flags)
+    result = bench_soak.run(soak)
+    print(json.dumps(result) if args.json else bench_soak.format_result(result))
+    sys.exit(0 if result["passed"] else 1)
 
 
 def _bench_offload(args: argparse.Namespace) -> None:
@@ -210,6 +219,20 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times")
     serve.add_argument("--json", action="store_true", help="print one JSON object")
     serve.set_defaults(handler=_bench_serve, parser=serve)
+
+    soak = bench.add_parser(
+        "soak",
+        help="strata serve under mixed traffic, then check blocks, invariants and memory growth",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    soak.add_argument("--duration-s", type=float, default=1800.0, help="how long traffic runs")
+    soak.add_argument("--concurrency", type=int, default=16, help="clients sending at once")
+    soak.add_argument("--seed", type=int, default=0, help="seeds the traffic")
+    soak.add_argument("--max-rss-growth", type=float, default=0.05, help="allowed RSS growth after the first fifth")
+    soak.add_argument("--long-prompt-words", type=int, default=600, help="words in the longest prompts")
+    soak.add_argument("--json", action="store_true", help="print one JSON object")
+    soak.add_argument("serve_flags", nargs=argparse.REMAINDER, help="after --: flags for strata serve")
+    soak.set_defaults(handler=_bench_soak)
 
     scheduler = bench.add_parser("scheduler", help="scheduler + KV manager cost per step at steady decode")
     scheduler.add_argument("--num-running", type=int, default=1024)
