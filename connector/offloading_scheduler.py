@@ -239,7 +239,7 @@ class OffloadingConnectorScheduler(SchedulerConnector):
         """Tier keys of the request's offload blocks ``first`` .. ``end - 1`` (all full)."""
         hashes = request.block_hashes
         if len(hashes) < end * self.factor:
-            extend_block_hashes(hashes, request.all_token_ids, self.block_size)
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, salt=request.cache_salt)
         return hashes[(first + 1) * self.factor - 1 : end * self.factor : self.factor]
 
     def _store_full_blocks(self, state: _RequestState, num_computed: int) -> None:

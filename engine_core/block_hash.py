@@ -19,10 +19,19 @@ def hash_block(parent: bytes, token_ids: list[int], extra_keys: bytes = b"") -> 
 
 
 def extend_block_hashes(
-    hashes: list[bytes], token_ids: list[int], block_size: int, extra_keys: bytes = b""
+    hashes: list[bytes], token_ids: list[int], block_size: int, extra_keys: bytes = b"", salt: str | None = None
 ) -> None:
-    """Append hashes for every block of ``token_ids`` that is full and not yet hashed."""
+    """Append hashes for every block of ``token_ids`` that is full and not yet hashed.
+
+    ``salt`` (a request's cache salt) goes into the first block's hash only: every later hash
+    chains from it, so requests with different salts share no block at all."""
     parent = hashes[-1] if hashes else ROOT_HASH
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)
+        keys = extra_keys + _salt_key(salt) if start == 0 else extra_keys
+        parent = hash_block(parent, token_ids[start : start + block_size], keys)
         hashes.append(parent)
+
+
+def _salt_key(salt: str | None) -> bytes:
+    # Tagged, so that no salt and an empty salt stay distinct from every real salt's bytes.
+    return b"" if salt is None else b"salt\x00" + salt.encode("utf-8", "surrogatepass")

@@ -51,11 +51,9 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; one that can never run is answered with an ``error`` output."""
-        bad = next((t for t in request.prompt_token_ids if not 0 <= t < self.executor.vocab_size), None)
-        if bad is not None:
-            self.scheduler.reject(
-                request.request_id, f"prompt token id {bad} is outside the vocabulary [0, {self.executor.vocab_size})"
-            )
+        error = self._token_id_error(request)
+        if error is not None:
+            self.scheduler.reject(request.request_id, error)
             return
         params = request.sampling_params
         if params.seed is None:
@@ -69,8 +67,24 @@ class EngineCore:
                 eos_token_id=request.eos_token_id,
                 arrival_time=request.arrival_time or time.time(),
                 priority=request.priority,
+                cache_salt=request.cache_salt,
             )
         )
+
+    def _token_id_error(self, request: EngineCoreRequest) -> str | None:
+        """Every token id that would reach a worker must index its vocabulary: an id outside
+        it makes the worker's sampler index out of range and takes the whole engine down."""
+        vocab_size = self.executor.vocab_size
+        named_ids = (
+            ("prompt token id", request.prompt_token_ids),
+            ("stop_token_ids entry", request.sampling_params.stop_token_ids or ()),
+            ("eos_token_id", () if request.eos_token_id is None else (request.eos_token_id,)),
+        )
+        for name, token_ids in named_ids:
+            bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                return f"{name} {bad} is outside the vocabulary [0, {vocab_size})"
+        return None
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import tempfile
+from collections.abc import Callable
 
 import zmq
 
@@ -33,9 +34,14 @@ class IpcDir:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
-def make_socket(context: zmq.Context, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
+def make_socket(
+    context: zmq.Context, kind: int, endpoint: str, bind: bool, setup: Callable[[zmq.Socket], None] | None = None
+) -> zmq.Socket:
+    """A socket bound or connected to ``endpoint``; ``setup`` sets options first (CURVE keys)."""
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if setup is not None:
+        setup(sock)
     if bind:
         sock.bind(endpoint)
     else:

@@ -15,6 +15,11 @@ class PrefixCacheStats:
     queried_tokens: int = 0
     hit_tokens: int = 0
 
+    def record(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one request's lookup: once, when it is first admitted (not on retries)."""
+        self.queried_tokens += num_tokens
+        self.hit_tokens += num_hit_tokens
+
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
@@ -56,10 +61,11 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks that prefixes the request, and its token
-        count. The last token is never a hit: it must be computed to produce logits."""
+        count. The last token is never a hit: it must be computed to produce logits. Not
+        counted in ``prefix_stats``: the caller records the lookup that admits a request."""
         if not self.enable_caching:
             return [], 0
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, salt=request.cache_salt)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
@@ -67,8 +73,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_stats.queried_tokens += request.num_tokens
-        self.prefix_stats.hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
@@ -125,7 +129,7 @@ class KVCacheManager:
         if num_full <= num_cached:
             return
         hashes = request.block_hashes
-        extend_block_hashes(hashes, request.all_token_ids, self.block_size)
+        extend_block_hashes(hashes, request.all_token_ids, self.block_size, salt=request.cache_salt)
         run_start = None  # the first index of the current run of newly registered blocks
         for index in range(num_cached, num_full):
             if self.pool.cache_block(blocks[index], hashes[index]):

@@ -50,6 +50,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag="add"):
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0
+    cache_salt: str | None = None  # requests with different salts never share KV blocks
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):

@@ -45,6 +45,7 @@ class Request:
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0
+    cache_salt: str | None = None  # mixed into the first block's hash: no sharing across salts
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     all_token_ids: list[int] = field(default_factory=list)

@@ -1,5 +1,7 @@
 """Per-request sampling parameters, validated the moment they are built (or decoded)."""
 
+import math
+
 import msgspec
 
 
@@ -62,6 +64,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         _check_number("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {type(getattr(self, name)).__name__}")
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
 
@@ -78,8 +83,10 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 
 
 def _check_number(name: str, value: object) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 def _stop_strings(stop: object) -> list[str]:

@@ -4,7 +4,8 @@ Every request has ``num_tokens`` (prompt + generated) and ``num_computed_tokens`
 hands each chosen request up to the remaining budget so the computed count catches up.
 Running requests go first, in queue order; then waiting ones while budget, sequence slots
 and KV blocks last. When blocks run out, the last running request (lowest priority, or
-latest arrival under FCFS) is preempted by recompute.
+latest arrival under FCFS) is preempted by recompute. Under the priority policy, a waiting
+request that outranks the last running one and does not fit preempts it too.
 """
 
 import heapq
@@ -170,6 +171,7 @@ class Scheduler:
         self._released_handles = []
         self._awaited_held_blocks = 0
         self._guard_starvation(output)
+        self._preempt_for_priority(output)
 
         preempted_by_guard = len(output.preempted_handles)
         budget = self.config.max_num_batched_tokens
@@ -300,8 +302,10 @@ class Scheduler:
             return None
         block_ids = self.kv.get_block_ids(request.request_id)
         self.connector.update_state_after_alloc(request, block_ids, num_external)
-        if request.num_cached_tokens < 0:
+        if request.num_cached_tokens < 0:  # its first admission: retries and resumptions do not count
             request.num_cached_tokens = num_computed
+            if self.config.enable_prefix_caching:
+                self.kv.prefix_stats.record(request.num_tokens, len(computed_blocks) * self.config.block_size)
         if load_async:
             request.status = RequestStatus.WAITING_FOR_KV
             request.num_computed_tokens = num_computed
@@ -364,6 +368,32 @@ class Scheduler:
             self._push_waiting(head)
         head.waited_steps = 0
         self._preempt(self.running.pop(), output)
+
+    def _preempt_for_priority(self, output: SchedulerOutput) -> None:
+        """Under the priority policy, preempt from the back of ``running`` while the waiting
+        head outranks that request and would not fit (as vLLM does). Queue keys are a strict
+        total order that only the starvation guard changes (upwards, to BOOSTED), so a
+        preempted request never outranks the one that took its place: no ping-pong."""
+        if self.config.policy != "priority":
+            return
+        head = self._peek_waiting()
+        if head is None or head.status == RequestStatus.WAITING_FOR_KV:
+            return
+        while self.running and head.queue_key < self.running[-1].queue_key and not self._would_fit(head):
+            self._preempt(self.running.pop(), output)
+
+    def _would_fit(self, request: Request) -> bool:
+        """Whether a waiting request would be admitted this step: a sequence slot, and blocks
+        for the chunk the budget the running requests leave would give it."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        running_tokens = sum(len(r.all_token_ids) - r.num_computed_tokens for r in self.running)
+        budget = max(1, self.config.max_num_batched_tokens - running_tokens)
+        hits, num_hit = self.kv.get_computed_blocks(request)
+        num_new = min(request.num_tokens - num_hit, budget)
+        hits_in_free_queue = sum(1 for block in hits if block.ref_count == 0)
+        needed = self.kv.blocks_needed(num_hit + num_new) - len(hits) + hits_in_free_queue
+        return needed <= self.kv.num_free_blocks
 
     # ---- the waiting queue ---------------------------------------------------------------
 

@@ -67,17 +67,25 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work, *args)
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[CompletionDelta]:
         """Stream the deltas of every completion of ``prompt`` until all are finished.
-        Raises ``EngineDeadError`` if the engine dies meanwhile."""
+        Raises ``EngineDeadError`` if the engine dies meanwhile, ``ValueError`` at once for a
+        request id already in use."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         request_id = request_id or f"request-{next(self._ids)}"
         text, token_ids = (prompt, self.tokenize(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        # Registered first: a duplicate request id raises here, before it could replace the
+        # stream of the request that holds the id.
+        requests = self.processor.add_request(request_id, text, token_ids, params, priority, cache_salt)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
-        requests = self.processor.add_request(request_id, text, token_ids, params, priority)
         finished = False
         try:
             for request in requests:

@@ -17,12 +17,13 @@ from strata.launch import generate
 from strata.launch.bench import offload as bench_offload
 from strata.launch.bench import scheduler as bench_scheduler
 from strata.launch.bench import serve as bench_serve
+from strata.launch.bench import soak as bench_soak
 from strata.launch.bench import throughput as bench_throughput
 from strata.launch.executors import ray_launcher
 from strata.launch.server import serve as server
 from strata.launch.engine_args import EngineArgs
 from strata.launch.llm import LLM
-from strata.launch.server.app import DEFAULT_MAX_REQUEST_BYTES, AppOptions
+from strata.launch.server.app import DEFAULT_MAX_REQUEST_BYTES, PREFIX_CACHE_ISOLATION, AppOptions
 
 USAGE_ERROR = 2
 
@@ -77,7 +78,8 @@ def _serve(args: argparse.Namespace) -> None:
     with _usage_errors(args.parser):
         app = AppOptions(
             served_model_name=args.served_model_name,
-            api_key=args.api_key,
+            api_keys=tuple(args.api_key or ()),
+            prefix_cache_isolation=args.prefix_cache_isolation,
             max_request_bytes=args.max_request_bytes,
             enable_debug_endpoints=args.enable_debug_endpoints,
         )
@@ -102,6 +104,14 @@ def _bench_serve(args: argparse.Namespace) -> None:
         )
     result = bench_serve.run(load)
     print(json.dumps(result) if args.json else bench_serve.format_result(result))
+
+
+def _bench_soak(args: argparse.Namespace) -> None:
+    flags = tuple(args.serve_flags[1:] if args.serve_flags[:1] == ["--"] else args.serve_flags)
+    soak = bench_soak.Soak(args.duration_s, args.concurrency, args.seed, args.max_rss_growth, args.long_prompt_words, flags)
+    result = bench_soak.run(soak)
+    print(json.dumps(result) if args.json else bench_soak.format_result(result))
+    sys.exit(0 if result["passed"] else 1)
 
 
 def _bench_offload(args: argparse.Namespace) -> None:
@@ -165,7 +175,13 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument(
+        "--api-key", action="append", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several)"
+    )
+    parser.add_argument(
+        "--prefix-cache-isolation", default="none", choices=PREFIX_CACHE_ISOLATION,
+        help="per-api-key: requests share prefix-cache blocks only with requests made with the same API key",
+    )
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="bigger: 413")
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (unset: its dir's)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on stop")
@@ -210,6 +226,20 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--system-prompt-words", type=int, default=400, help="multi-tenant: words per system prompt")
     serve.add_argument("--json", action="store_true", help="print one JSON object")
     serve.set_defaults(handler=_bench_serve, parser=serve)
+
+    soak = bench.add_parser(
+        "soak",
+        help="strata serve under mixed traffic, then check blocks, invariants and memory growth",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    soak.add_argument("--duration-s", type=float, default=1800.0, help="how long traffic runs")
+    soak.add_argument("--concurrency", type=int, default=16, help="clients sending at once")
+    soak.add_argument("--seed", type=int, default=0, help="seeds the traffic")
+    soak.add_argument("--max-rss-growth", type=float, default=0.05, help="allowed RSS growth after the first fifth")
+    soak.add_argument("--long-prompt-words", type=int, default=600, help="words in the longest prompts")
+    soak.add_argument("--json", action="store_true", help="print one JSON object")
+    soak.add_argument("serve_flags", nargs=argparse.REMAINDER, help="after --: flags for strata serve")
+    soak.set_defaults(handler=_bench_soak)
 
     scheduler = bench.add_parser("scheduler", help="scheduler + KV manager cost per step at steady decode")
     scheduler.add_argument("--num-running", type=int, default=1024)

@@ -39,29 +39,53 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt (text, or token ids); outputs come back in prompt order. Text
-        is encoded with the tokenizer's default special tokens (a BOS where it adds one)."""
+        is encoded with the tokenizer's default special tokens (a BOS where it adds one). With
+        ``cache_salt``, these prompts share cached KV blocks only with requests that carry the
+        same salt (tenant isolation of the prefix cache)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a string, a list of token ids or a list of those, got {type(prompts).__name__}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if not isinstance(sampling_params, Sequence) or not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them")
         if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-        request_ids = []
-        for prompt, params in zip(prompts, sampling_params):
-            if isinstance(prompt, str):
-                text, token_ids = prompt, encode_text(self._require_tokenizer(), prompt)
-            elif all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
-                text, token_ids = None, list(prompt)
-            else:
-                raise TypeError("a prompt is a string or a list of integer token ids")
-            request_id = str(next(self._ids))
-            for request in self.processor.add_request(request_id, text, token_ids, params):
-                self.engine.add_request(request)
-            request_ids.append(request_id)
+            raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        # Every prompt is checked and registered before any reaches the engine: a bad one
+        # raises with nothing left behind.
+        request_ids: list[str] = []
+        requests = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                text, token_ids = self._encode(prompt)
+                request_id = str(next(self._ids))
+                requests += self.processor.add_request(request_id, text, token_ids, params, cache_salt=cache_salt)
+                request_ids.append(request_id)
+        except (TypeError, ValueError):
+            for request_id in request_ids:
+                self.processor.forget(request_id)
+                self.processor.outputs.pop(request_id)
+            raise
+        for request in requests:
+            self.engine.add_request(request)
         self._run(request_ids, use_tqdm)
         return [self.processor.pop_finished(request_id) for request_id in request_ids]
+
+    def _encode(self, prompt: object) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            token_ids = encode_text(self._require_tokenizer(), prompt)
+            text = prompt
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids, text = list(prompt), None
+        else:
+            raise TypeError("prompts: a prompt is a string or a list of integer token ids")
+        if not token_ids:
+            raise ValueError("prompts: a prompt must not be empty")
+        return text, token_ids
 
     def chat(
         self,

@@ -54,9 +54,16 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
-        """Register a prompt and return the engine requests for its ``n`` completions."""
-        if request_id in self.outputs:
+        """Register a prompt and return the engine requests for its ``n`` completions.
+        ``cache_salt``: requests share prefix-cache blocks only with requests of the same salt."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
+        if cache_salt == "":
+            raise ValueError("cache_salt must not be empty (None means no salt)")
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{index}" for index in range(params.n)]
+        if request_id in self.outputs or any(child in self._completions for child in child_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer)")
@@ -66,8 +73,7 @@ class OutputProcessor:
         )
         self.outputs[request_id] = output
         requests = []
-        for index, completion in enumerate(output.outputs):
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+        for index, (child_id, completion) in enumerate(zip(child_ids, output.outputs)):
             child_params = params
             if params.n > 1:
                 # Wrapped into int64: the workers keep seeds in int64 arrays.
@@ -79,7 +85,9 @@ class OutputProcessor:
                 params.skip_special_tokens,
             )
             self._completions[child_id] = _Completion(output, completion, detokenizer, params.logprobs is not None)
-            requests.append(EngineCoreRequest(child_id, prompt_token_ids, child_params, self.eos_token_id, now, priority))
+            requests.append(
+                EngineCoreRequest(child_id, prompt_token_ids, child_params, self.eos_token_id, now, priority, cache_salt)
+            )
         return requests
 
     def child_ids(self, request_id: str) -> list[str]:

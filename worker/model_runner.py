@@ -281,8 +281,12 @@ class ModelRunner:
             if num_output[i] < batch.min_tokens[row] and batch.stop_token_ids[row]
         ]
         meta.banned_tokens = banned or None
+        # A partial prefill chunk's sampled token is thrown away, and so would its logprobs be.
+        ends_its_tokens = batch.num_computed[rows] + inputs.num_scheduled == batch.num_tokens[rows]
         wanted = [
-            (i, min(int(batch.num_logprobs[row]), vocab)) for i, row in enumerate(rows.tolist()) if batch.num_logprobs[row] >= 0
+            (i, min(int(batch.num_logprobs[row]), vocab))
+            for i, row in enumerate(rows.tolist())
+            if batch.num_logprobs[row] >= 0 and ends_its_tokens[i]
         ]
         meta.logprob_rows = wanted or None
         return meta

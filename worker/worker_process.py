@@ -12,6 +12,7 @@ import zmq
 
 from strata.engine_core.ipc import die_with_parent, make_socket
 from strata.engine_core.protocol import ExecutorMessage, ModelRunnerOutput, Shutdown, WorkerFailed, WorkerReady
+from strata.engine_core.zmq_curve import WorkerCurveKeys, secure_client
 from strata.worker.config import WorkerConfig
 from strata.worker.devices import check_device_visible
 from strata.worker.model_runner import ModelRunner, default_num_threads
@@ -24,13 +25,15 @@ class WorkerProcessConfig(msgspec.Struct):
     worker: WorkerConfig
     step_endpoint: str  # the executor binds a PUSH socket per rank here
     result_endpoint: str  # the executor's PULL socket, shared by all ranks
+    curve: WorkerCurveKeys | None = None  # CurveZMQ keys, for TCP endpoints
 
 
 def serve(config: WorkerProcessConfig) -> None:
     rank = config.worker.rank
     context = zmq.Context()
-    steps = make_socket(context, zmq.PULL, config.step_endpoint, bind=False)
-    results = make_socket(context, zmq.PUSH, config.result_endpoint, bind=False)
+    secure = secure_client(config.curve) if config.curve is not None else None
+    steps = make_socket(context, zmq.PULL, config.step_endpoint, bind=False, setup=secure)
+    results = make_socket(context, zmq.PUSH, config.result_endpoint, bind=False, setup=secure)
     encoder = msgspec.msgpack.Encoder()
     tp = None
     try:

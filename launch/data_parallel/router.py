@@ -58,11 +58,11 @@ class Router:
         best = min(holders, key=self.load.__getitem__)
         return least if self.load[best] > self.load[least] + self.load_margin else best
 
-    def block_hashes(self, token_ids: list[int]) -> list[bytes]:
+    def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[bytes]:
         """The prompt's full-block hashes, as the EngineCore computes them ([] unless cache-aware)."""
         hashes: list[bytes] = []
         if self.policy == "cache-aware":
-            extend_block_hashes(hashes, token_ids, self.block_size)
+            extend_block_hashes(hashes, token_ids, self.block_size, salt=cache_salt)
         return hashes
 
     def routed(self, replica: int, block_hashes: list[bytes], num_tokens: int) -> None:

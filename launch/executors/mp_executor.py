@@ -28,7 +28,7 @@ class MultiprocExecutor(ZmqExecutor):
         startup_timeout_s: float = 600.0,
     ) -> None:
         self.ipc = IpcDir(ipc_dir)
-        super().__init__(config.tensor_parallel_size, worker_timeout_s, self.ipc.endpoint)
+        super().__init__(config.tensor_parallel_size, worker_timeout_s, self._bind_address)
         init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.processes = [self._start_worker(config, rank, init_method) for rank in range(self.size)]
         try:
@@ -37,12 +37,17 @@ class MultiprocExecutor(ZmqExecutor):
             self.shutdown()
             raise
 
+    def _bind_address(self, name: str) -> str:
+        return self.ipc.endpoint(name)
+
     def _start_worker(self, config: WorkerConfig, rank: int, init_method: str) -> subprocess.Popen:
         from strata.worker.worker_process import WorkerProcessConfig
 
         device = rank_device(config.device, rank)
         worker = msgspec.structs.replace(config, rank=rank, device=device, distributed_init_method=init_method)
-        payload = msgspec.msgpack.encode(WorkerProcessConfig(worker, self.step_endpoints[rank], self.results_endpoint))
+        payload = msgspec.msgpack.encode(
+            WorkerProcessConfig(worker, self.step_endpoints[rank], self.results_endpoint, self.worker_curve_keys)
+        )
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one machine talk over loopback
         # Idle OpenMP threads spin briefly (fast wake-ups between a step's ops), then sleep

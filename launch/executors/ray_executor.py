@@ -119,7 +119,7 @@ class RayExecutor(ZmqExecutor):
         for rank, actor in enumerate(self._actors):
             worker = msgspec.structs.replace(config, rank=rank, device=device, distributed_init_method=init_method)
             payload = msgspec.msgpack.encode(
-                WorkerProcessConfig(worker, self.step_endpoints[rank], self.results_endpoint)
+                WorkerProcessConfig(worker, self.step_endpoints[rank], self.results_endpoint, self.worker_curve_keys)
             )
             self._runs.append(actor.serve.remote(payload))
         self._await_ready(max(0.0, deadline - time.monotonic()))

@@ -4,6 +4,9 @@ Each step's ``SchedulerOutput`` is encoded once and pushed to every rank; every 
 one results socket. A transfer counts as finished only when all ranks reported it. A rank that
 dies, fails or stops answering makes ``execute`` raise ``ExecutorFailed`` naming it.
 
+Sockets bound on TCP use CurveZMQ: only this executor's workers, which get its keys in their
+configuration, can connect (``engine_core/zmq_curve.py``). IPC sockets stay plain.
+
 Subclasses start the ranks (local processes, Ray actors) and say how to tell that one is gone.
 """
 
@@ -19,6 +22,7 @@ import zmq
 
 from strata.engine_core.core_loop import ExecutorFailed
 from strata.engine_core.ipc import make_socket
+from strata.engine_core.zmq_curve import CurveServer, WorkerCurveKeys
 from strata.engine_core.protocol import (
     KVConnectorOutput,
     ModelRunnerOutput,
@@ -82,8 +86,8 @@ class ZmqExecutor(ABC):
 
     ``bind_address(name)`` gives the address to bind the socket ``name`` ("results",
     "steps-<rank>") on; the bound endpoints, the ones workers connect to, are
-    ``results_endpoint`` and ``step_endpoints``. A subclass starts its workers, then calls
-    ``_await_ready``.
+    ``results_endpoint`` and ``step_endpoints``. A subclass starts its workers, giving each
+    ``worker_curve_keys`` (None on IPC), then calls ``_await_ready``.
     """
 
     def __init__(self, size: int, worker_timeout_s: float, bind_address: Callable[[str], str]) -> None:
@@ -95,9 +99,14 @@ class ZmqExecutor(ABC):
         self.context = zmq.Context()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(WorkerMessage)
-        self._results = make_socket(self.context, zmq.PULL, bind_address("results"), bind=True)
+        over_tcp = bind_address("results").startswith("tcp://")
+        self._curve = CurveServer(self.context) if over_tcp else None
+        self.worker_curve_keys: WorkerCurveKeys | None = self._curve.worker_keys if self._curve else None
+        secure = self._curve.secure if self._curve else None
+        self._results = make_socket(self.context, zmq.PULL, bind_address("results"), bind=True, setup=secure)
         self._steps = [
-            make_socket(self.context, zmq.PUSH, bind_address(f"steps-{rank}"), bind=True) for rank in range(size)
+            make_socket(self.context, zmq.PUSH, bind_address(f"steps-{rank}"), bind=True, setup=secure)
+            for rank in range(size)
         ]
         # Read back, as a wildcard TCP port ("tcp://host:*") is only known once bound.
         self.results_endpoint = self._results.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -192,4 +201,6 @@ class ZmqExecutor(ABC):
             except zmq.ZMQError:
                 pass
         self._stop_workers(SHUTDOWN_GRACE_S)
+        if self._curve is not None:
+            self._curve.stop()
         self.context.destroy(linger=0)

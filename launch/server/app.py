@@ -5,6 +5,7 @@ Every error, whatever raised it, is answered with OpenAI's error body
 FastAPI, so that size, encoding, JSON and schema errors each get their own clear 4xx.
 """
 
+import hashlib
 import hmac
 import logging
 import time
@@ -35,6 +36,7 @@ from strata.launch.server.completions import ChatCompletions, Completions, json_
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+PREFIX_CACHE_ISOLATION = ("none", "per-api-key")
 _MAX_REPORTED_ERRORS = 5  # a hostile body can fail validation thousands of times over
 _CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; it never reaches anyone
 
@@ -44,18 +46,25 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 @dataclass(frozen=True)
 class AppOptions:
     """What the application needs besides the engine. ``served_model_name=None``: see
-    ``default_model_name``."""
+    ``default_model_name``. ``api_keys``: any of them opens ``/v1`` (none: it is open).
+    ``prefix_cache_isolation="per-api-key"`` salts every request's prefix cache with its key."""
 
     served_model_name: str | None = None
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     enable_debug_endpoints: bool = False
+    prefix_cache_isolation: str = "none"
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
-        if self.api_key == "":
+        if any(key == "" for key in self.api_keys):
             raise ValueError("api_key must not be empty")
+        if self.prefix_cache_isolation not in PREFIX_CACHE_ISOLATION:
+            raise ValueError(
+                f"prefix_cache_isolation must be one of {', '.join(PREFIX_CACHE_ISOLATION)}, "
+                f"got {self.prefix_cache_isolation!r}"
+            )
 
 
 def build_app(engine: AsyncEngine, options: AppOptions) -> FastAPI:
@@ -69,23 +78,31 @@ def build_app(engine: AsyncEngine, options: AppOptions) -> FastAPI:
     model_card = ModelCard(id=model_name, created=int(time.time()), max_model_len=engine.max_model_len)
 
     def require_api_key(request: Request) -> None:
-        if options.api_key is None:
+        if not options.api_keys:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), options.api_key.encode()):
+        token = _bearer_token(request).encode()
+        # Every key is compared, so the time taken does not tell which one came close.
+        matches = [hmac.compare_digest(token, key.encode()) for key in options.api_keys]
+        if not any(matches):
             raise APIError(401, "missing or incorrect API key", "authentication_error", code="invalid_api_key")
+
+    def tenant_salt(request: Request) -> str | None:
+        if options.prefix_cache_isolation != "per-api-key":
+            return None
+        # A digest, not the key: the salt travels to the EngineCore and into its state.
+        return "api-key:" + hashlib.sha256(_bearer_token(request).encode()).hexdigest()
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
     @v1.post("/completions")
     async def create_completion(request: Request) -> Response:
         body = await read_body(request, CompletionRequest, options.max_request_bytes)
-        return await completions.handle(body, request)
+        return await completions.handle(body, request, tenant_salt(request))
 
     @v1.post("/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, options.max_request_bytes)
-        return await chat.handle(body, request)
+        return await chat.handle(body, request, tenant_salt(request))
 
     @v1.get("/models")
     async def list_models() -> Response:
@@ -194,3 +211,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         logger.exception("internal error serving %s %s", request.method, request.url.path)
         body = ErrorResponse(error=ErrorInfo(message=f"internal error: {error!r}", type="server_error"))
         return json_response(body, 500)
+
+
+def _bearer_token(request: Request) -> str:
+    """The token of an ``Authorization: Bearer TOKEN`` header ("" without one)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""

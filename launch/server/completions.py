@@ -70,6 +70,7 @@ class Job:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    cache_salt: str | None = None
 
 
 class OpenAIEndpoint(ABC, Generic[RequestT]):
@@ -83,9 +84,10 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
         self.model_name = model_name
         self.metrics = metrics
 
-    async def handle(self, body: RequestT, request: Request) -> Response:
-        """Answer ``body``: one JSON response, or an SSE stream of chunks ending ``[DONE]``."""
-        job = await self.engine.off_loop(self._job, body)
+    async def handle(self, body: RequestT, request: Request, tenant_salt: str | None = None) -> Response:
+        """Answer ``body``: one JSON response, or an SSE stream of chunks ending ``[DONE]``.
+        ``tenant_salt`` (per-API-key isolation) goes before the body's own ``cache_salt``."""
+        job = await self.engine.off_loop(self._job, body, tenant_salt)
         run = _EngineRun(self.engine, self.metrics, job)
         if not job.stream:
             try:
@@ -136,7 +138,7 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
 
-    def _job(self, body: RequestT) -> Job:
+    def _job(self, body: RequestT, tenant_salt: str | None) -> Job:
         if body.model != self.model_name:
             raise APIError.model_not_found(body.model)
         prompt = self.prompt_token_ids(body)
@@ -163,6 +165,7 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
             params=self._sampling_params(body, max_tokens),
             stream=stream,
             include_usage=stream and body.stream_options is not None and bool(body.stream_options.include_usage),
+            cache_salt=_cache_salt(tenant_salt, body.cache_salt),
         )
 
     def _sampling_params(self, body: RequestT, max_tokens: int) -> SamplingParams:
@@ -345,7 +348,7 @@ class _EngineRun:
         self._engine = engine
         self._metrics = metrics
         self._job = job
-        self._deltas = engine.generate(job.prompt_token_ids, job.params, job.request_id)
+        self._deltas = engine.generate(job.prompt_token_ids, job.params, job.request_id, cache_salt=job.cache_salt)
         self._first: CompletionDelta | None = None
         self._output: RequestOutput | None = None
 
@@ -439,6 +442,13 @@ async def _disconnected(request: Request) -> None:
     # The body has been read: the next ASGI message is the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _cache_salt(tenant_salt: str | None, request_salt: str | None) -> str | None:
+    if tenant_salt is None:
+        return request_salt
+    # The tenant part has a fixed form and length, so no request salt can forge another's.
+    return tenant_salt if request_salt is None else f"{tenant_salt}/{request_salt}"
 
 
 def _usage(job: Job, output: RequestOutput) -> Usage:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 128  # OpenAI's limit on completions per request
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MAX_CACHE_SALT_CHARS = 256
 
 # Token ids travel as int32 to the engine; the engine checks them against the vocabulary.
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -50,6 +51,8 @@ class GenerationRequest(_Strict):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    # Requests share prefix-cache blocks only with requests of the same salt (as in vLLM).
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
 
 class CompletionRequest(GenerationRequest):

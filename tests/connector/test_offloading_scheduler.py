@@ -50,6 +50,27 @@ def test_resent_prompt_loads_its_prefix_from_cpu_after_the_gpu_evicted_it():
     engine.assert_idle()
 
 
+def test_cpu_tier_serves_a_prefix_only_to_requests_with_the_same_cache_salt():
+    engine = make_engine(num_gpu_blocks=12, num_cpu_blocks=64)
+
+    def blocks_loaded_for(request_id: str, salt: str | None) -> int:
+        request = make_request(request_id, PROMPT)
+        request.cache_salt = salt
+        loaded = engine.connector.stats.blocks_loaded
+        engine.add(request)
+        engine.run()
+        loaded = engine.connector.stats.blocks_loaded - loaded
+        evict_from_gpu(engine)
+        return loaded
+
+    assert blocks_loaded_for("first", "tenant-a") == 0
+    assert blocks_loaded_for("other-tenant", "tenant-b") == 0
+    assert blocks_loaded_for("unsalted", None) == 0
+    assert blocks_loaded_for("same-tenant", "tenant-a") == 4
+    assert engine.results["same-tenant"].token_ids == expected_output(PROMPT, 2)
+    engine.assert_idle()
+
+
 def test_without_gpu_prefix_caching_the_cpu_tier_still_serves_prefixes():
     engine = make_engine(num_gpu_blocks=12, num_cpu_blocks=32, enable_prefix_caching=False)
     engine.add(make_request("first", PROMPT))

@@ -90,6 +90,41 @@ def test_prefix_of_a_finished_request_is_a_cache_hit(make_request):
     assert scheduler.stats().prefix_cache_hits == 48
 
 
+def test_prefix_cache_lookup_counts_once_however_often_admission_is_retried(make_request):
+    scheduler = make_scheduler(num_blocks=6, block_size=4)
+    first, second = make_request(16, max_tokens=6), make_request(16, max_tokens=6)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    steps_second_waited = 0
+    runner, tokens, results = FakeRunner(4), {}, {}
+    while scheduler.has_work():
+        step(scheduler, runner, tokens, results)
+        steps_second_waited += second.status == RequestStatus.WAITING
+    assert steps_second_waited > 2, "the scenario must make the second request retry admission"
+    assert scheduler.stats().prefix_cache_queries == 16 + 16
+
+
+def test_prefix_cache_lookup_is_not_counted_again_on_resumption(make_request):
+    scheduler = make_scheduler(14, block_size=4, max_num_batched_tokens=64)
+    for i in range(6):
+        scheduler.add_request(make_request(prompt=[i + 3] * 10, max_tokens=30))
+    run_to_completion(scheduler, FakeRunner(4))
+    assert scheduler.num_preemptions > 0
+    assert scheduler.stats().prefix_cache_queries == 6 * 10
+
+
+def test_requests_with_different_cache_salts_share_no_block(make_request):
+    scheduler = make_scheduler()
+    runner = FakeRunner(16)
+    prompt = list(range(3, 53))  # three full blocks
+    scheduler.add_request(make_request(prompt=prompt, max_tokens=3, cache_salt="tenant-a"))
+    run_to_completion(scheduler, runner)
+    for salt, expected_hit in [("tenant-b", 0), (None, 0), ("tenant-a", 48)]:
+        scheduler.add_request(make_request(prompt=prompt, max_tokens=3, cache_salt=salt))
+        assert scheduler.schedule().new_requests[0].num_computed_tokens == expected_hit, salt
+        run_to_completion(scheduler, runner)
+
+
 def test_whole_prompt_hit_still_computes_the_last_token(make_request):
     scheduler = make_scheduler()
     runner = FakeRunner(16)

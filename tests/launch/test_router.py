@@ -98,3 +98,10 @@ def test_no_live_replica_is_an_error():
     router.remove_replica(0)
     with pytest.raises(RuntimeError, match="no replica"):
         choose(router, prompt(1))
+
+
+def test_a_salted_prompt_is_not_routed_by_the_unsalted_copy_of_its_prefix():
+    router = Router(2, "cache-aware", BLOCK)
+    route(router, 1, prompt(1))
+    assert choose(router, prompt(1)) == 1
+    assert router.choose(router.block_hashes(prompt(1), cache_salt="tenant-a")) == 0  # the least loaded

@@ -2,9 +2,14 @@
 
 import asyncio
 
+import pytest
+from transformers import AutoTokenizer
+
 from strata.launch.async_engine import AsyncEngine
 from strata.launch.engine_args import EngineArgs
 from strata.engine_core.sampling_params import SamplingParams
+
+from model_factory import save_tiny_model, tiny_llama_config
 
 NUM_REQUESTS = 200
 MAX_TOKENS = 12
@@ -49,3 +54,30 @@ def test_200_concurrent_streams_finish_and_aborted_half_frees_its_blocks():
     assert state["invariants"] == "ok"
     assert state["num_free_blocks"] == state["num_blocks"]
     assert leftover_completions == {}
+
+
+async def duplicate_id_while_the_first_streams(model_path: str) -> list[int]:
+    engine = await AsyncEngine.start(
+        EngineArgs(model=model_path, dtype="float32", executor="mp", max_model_len=128, num_gpu_blocks=64)
+    )
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        first = engine.generate([5, 6, 7], params, request_id="shared-id")
+        tokens = list((await first.__anext__()).token_ids)
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.generate([8, 9], params, request_id="shared-id").__anext__()
+
+        async def rest() -> None:
+            async for delta in first:
+                tokens.extend(delta.token_ids)
+
+        await asyncio.wait_for(rest(), timeout=60)  # before the fix, the first stream hung here
+        return tokens
+    finally:
+        engine.shutdown()
+
+
+def test_duplicate_request_id_is_refused_and_the_first_stream_still_finishes(tmp_path, default_model_path):
+    save_tiny_model(tiny_llama_config(), tmp_path)
+    AutoTokenizer.from_pretrained(default_model_path).save_pretrained(tmp_path)
+    assert len(asyncio.run(duplicate_id_while_the_first_streams(str(tmp_path)))) == MAX_TOKENS

@@ -80,6 +80,7 @@ SHARED_BAD_VALUES = {
     | st.fixed_dictionaries({"include_usage": not_a_bool}) | st.just({"unknown": True}),
     "ignore_eos": not_a_bool,
     "user": not_a_string,
+    "cache_salt": not_a_string | st.just("") | st.text(min_size=257, max_size=300),
 }
 COMPLETION_BAD_VALUES = {
     **SHARED_BAD_VALUES,

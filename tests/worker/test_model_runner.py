@@ -1,0 +1,36 @@
+"""The model runner's step on a tiny random model: what a step computes and reports."""
+
+import pytest
+
+from strata.engine_core.protocol import CachedRequestData, NewRequestData, SchedulerOutput, pack_handles
+from strata.engine_core.sampling_params import SamplingParams
+from strata.worker.config import WorkerConfig
+from strata.worker.model_runner import ModelRunner
+from worker_helpers import SINGLE_RANK
+
+from model_factory import random_prompts, save_tiny_model, tiny_llama_config
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory) -> ModelRunner:
+    path = tmp_path_factory.mktemp("tiny")
+    save_tiny_model(tiny_llama_config(), path)
+    config = WorkerConfig(model=str(path), dtype="float32", num_gpu_blocks=32, max_num_seqs=4, max_model_len=128)
+    return ModelRunner(config, SINGLE_RANK)
+
+
+def test_logprobs_come_only_for_the_chunk_that_ends_the_prompt(runner):
+    (prompt,) = random_prompts([40], vocab_size=97)
+    params = SamplingParams(temperature=0, logprobs=3, seed=1)
+    first = SchedulerOutput(
+        step=1,
+        new_requests=[NewRequestData("r", 0, prompt, [], params, None, [0, 1, 2], 0, 16)],
+        total_num_scheduled_tokens=16,
+    )
+    assert runner.execute(first).logprobs == {}, "logprobs of a partial prefill chunk"
+    rest = SchedulerOutput(
+        step=2, cached=CachedRequestData(pack_handles([0]), {0: 24}), total_num_scheduled_tokens=24
+    )
+    output = runner.execute(rest)
+    assert list(output.logprobs) == [0]
+    assert len(output.logprobs[0].token_ids) == 1 + 3
