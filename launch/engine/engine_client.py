@@ -4,7 +4,7 @@ process with workers (``mp``, ``ray``)."""
 from strata.engine_core.engine_core import EngineCore
 from strata.engine_core.protocol import EngineCoreOutputs, EngineCoreRequest
 from strata.launch.engine.core_client import SyncCoreClient
-from strata.launch.engine_args import EngineArgs, ResolvedConfig
+from strata.launch.engine_args import EngineArgs, ResolvedConfig, tokenizer_json_path
 
 
 class InprocClient:
@@ -37,5 +37,6 @@ def start_engine(args: EngineArgs, resolved: ResolvedConfig) -> InprocClient | S
         from strata.launch.executors.uni_executor import UniExecutor
 
         executor = UniExecutor(resolved.worker)
-        return InprocClient(EngineCore(resolved.scheduler, executor, resolved.make_connector(executor.num_cpu_blocks)))
+        connector = resolved.make_connector(executor.num_cpu_blocks)
+        return InprocClient(EngineCore(resolved.scheduler, executor, connector, tokenizer_json_path(resolved.worker.model)))
     return SyncCoreClient(resolved)
