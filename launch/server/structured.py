@@ -49,7 +49,7 @@ def logit_bias_of(body: GenerationRequest) -> dict[int, float] | None:
         return None
     bias = {}
     for key, value in body.logit_bias.items():
-        if not key.isdigit() or len(key) > 10:
+        if not (key.isascii() and key.isdigit()) or len(key) > 10:
             raise APIError(400, f"logit_bias keys must be token ids, got {key[:32]!r}", param="logit_bias")
         bias[int(key)] = value
     return bias
