@@ -125,13 +125,11 @@ class EngineCoreLoop:
             num_blocks=scheduler.kv.num_blocks,
             num_requests=len(scheduler.requests),
         )
-        result.update(self.core.executor.stats())
+        result.update(self.core.stats())
         return result
 
     def _fail_everything(self, reason: str) -> None:
-        scheduler = self.core.scheduler
-        scheduler.abort_requests(list(scheduler.requests), message=reason)
-        self.outputs.put(EngineCoreOutputs(finished=scheduler.take_finished()))
+        self.outputs.put(EngineCoreOutputs(finished=self.core.abort_everything(reason)))
         self.outputs.put(EngineDead(reason))
 
     def _receive(self) -> None:

@@ -6,15 +6,29 @@ ZeroMQ sockets. An executor is anything that runs a ``SchedulerOutput`` on the w
 
 import random
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from strata.engine_core.kv_connector import SchedulerConnector
 from strata.engine_core.kv_events import KVEventPublisher
-from strata.engine_core.protocol import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from strata.engine_core.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishedRequest,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    pack_handles,
+)
 from strata.engine_core.request import Request
 from strata.engine_core.scheduler import Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from strata.engine_core.structured_output import StructuredOutputs
+
+# With nothing to run but grammars compiling, a step waits this long for one of them.
+GRAMMAR_WAIT_S = 0.05
 
 
 class Executor(Protocol):
@@ -25,7 +39,12 @@ class Executor(Protocol):
     num_cpu_blocks: int
     vocab_size: int
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: Callable[[], bytes] | None = None
+    ) -> ModelRunnerOutput:
+        """Run a step. When ``scheduler_output.structured_rows`` is set, ``grammar_bitmask``
+        computes those rows' masks: call it after the step is on its way to the workers."""
+        ...
 
     def stats(self) -> dict[str, float]:
         """Executor-specific timings (e.g. IPC cost per step) for debug calls and benchmarks."""
@@ -36,7 +55,9 @@ class Executor(Protocol):
 
 class EngineCore:
     """Steps the scheduler on the executor. With an ``event_publisher``, every step's KV
-    events go out as one batch; without, the connector's are still drained and dropped."""
+    events go out as one batch; without, the connector's are still drained and dropped.
+    ``tokenizer_path``: the model's ``tokenizer.json``, which grammars are compiled against;
+    without it, requests with ``structured_outputs`` are refused."""
 
     def __init__(
         self,
@@ -44,10 +65,15 @@ class EngineCore:
         executor: Executor,
         connector: SchedulerConnector | None = None,
         event_publisher: KVEventPublisher | None = None,
+        tokenizer_path: str | None = None,
     ) -> None:
         self.executor = executor
         self.event_publisher = event_publisher
         self.scheduler = Scheduler(config, executor.num_blocks, connector, record_kv_events=event_publisher is not None)
+        self.tokenizer_path = tokenizer_path
+        self.structured: StructuredOutputs | None = None  # built with the first grammar
+        self._awaiting_grammar: dict[str, Request] = {}  # WAITING_FOR_GRAMMAR, outside the scheduler
+        self._finished: list[FinishedRequest] = []  # requests finished while awaiting their grammar
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; one that can never run is answered with an ``error`` output."""
@@ -59,17 +85,30 @@ class EngineCore:
         if params.seed is None:
             # Every request gets a seed so all TP ranks draw the same random numbers.
             params = msgspec.structs.replace(params, seed=random.getrandbits(63))
-        self.scheduler.add_request(
-            Request(
-                request_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling_params=params,
-                eos_token_id=request.eos_token_id,
-                arrival_time=request.arrival_time or time.time(),
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-            )
+        scheduled = Request(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time or time.time(),
+            priority=request.priority,
+            cache_salt=request.cache_salt,
         )
+        if params.structured_outputs is None:
+            self.scheduler.add_request(scheduled)
+            return
+        if self.tokenizer_path is None:
+            self.scheduler.reject(request.request_id, "structured outputs need the model's tokenizer.json")
+            return
+        if request.request_id in self._awaiting_grammar or request.request_id in self.scheduler.requests:
+            self.scheduler.reject(request.request_id, f"request id {request.request_id!r} is already in use")
+            return
+        if self.structured is None:
+            from strata.engine_core.structured_output import StructuredOutputs
+
+            self.structured = StructuredOutputs(self.tokenizer_path, self.executor.vocab_size, request.eos_token_id)
+        self._awaiting_grammar[request.request_id] = scheduled
+        self.structured.submit(request.request_id, params.structured_outputs)
 
     def _token_id_error(self, request: EngineCoreRequest) -> str | None:
         """Every token id that would reach a worker must index its vocabulary: an id outside
@@ -79,6 +118,7 @@ class EngineCore:
             ("prompt token id", request.prompt_token_ids),
             ("stop_token_ids entry", request.sampling_params.stop_token_ids or ()),
             ("eos_token_id", () if request.eos_token_id is None else (request.eos_token_id,)),
+            ("logit_bias token id", request.sampling_params.logit_bias or ()),
         )
         for name, token_ids in named_ids:
             bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
@@ -86,16 +126,47 @@ class EngineCore:
                 return f"{name} {bad} is outside the vocabulary [0, {vocab_size})"
         return None
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        self.scheduler.abort_requests(request_ids)
+    def abort_requests(self, request_ids: list[str], message: str | None = None) -> None:
+        """Abort the named requests (finish them with ``error`` if a message is given)."""
+        for request_id in request_ids:
+            if self._awaiting_grammar.pop(request_id, None) is not None:
+                self._finished.append(FinishedRequest(request_id, "error" if message else "abort", message))
+            if self.structured is not None:
+                self.structured.remove(request_id)
+        self.scheduler.abort_requests(request_ids, message)
+
+    def abort_everything(self, reason: str) -> list[FinishedRequest]:
+        """Fail every request (the engine is stopping) and return their outputs."""
+        self.abort_requests(list(self._awaiting_grammar) + list(self.scheduler.requests), reason)
+        finished, self._finished = self._finished + self.scheduler.take_finished(), []
+        return finished
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._awaiting_grammar) or bool(self._finished)
 
     def step(self) -> EngineCoreOutputs:
+        if self.structured is not None and self._awaiting_grammar:
+            self._admit_compiled()
+            if not self.scheduler.has_work():
+                # Nothing runs: wait for a grammar here instead of sending the workers empty steps.
+                self.structured.wait_for_compile(GRAMMAR_WAIT_S)
+                self._admit_compiled()
+        if not self.scheduler.has_work():
+            finished, self._finished = self._finished, []
+            return EngineCoreOutputs(finished=finished)
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute(scheduler_output)
+        constrained = self._constrained_rows()
+        if constrained:
+            rows, request_ids = zip(*constrained)
+            scheduler_output.structured_rows = pack_handles(list(rows))
+            runner_output = self.executor.execute(scheduler_output, lambda: self._fill_bitmask(list(request_ids)))
+        else:
+            runner_output = self.executor.execute(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.structured is not None and self.structured.matchers:
+            self._advance_matchers(outputs)
+        if self._finished:
+            outputs.finished[:0], self._finished = self._finished, []
         events = self.scheduler.take_kv_events()
         if self.event_publisher is not None:
             self.event_publisher.publish(events)
@@ -106,5 +177,66 @@ class EngineCore:
         if self.event_publisher is not None:
             self.event_publisher.publish(self.scheduler.take_kv_events())
 
+    def _admit_compiled(self) -> None:
+        assert self.structured is not None
+        ready, failed = self.structured.take_compiled()
+        for request_id in ready:
+            self.scheduler.add_request(self._awaiting_grammar.pop(request_id))
+            if request_id not in self.scheduler.requests:  # refused at admission
+                self.structured.remove(request_id)
+        for request_id, reason in failed:
+            del self._awaiting_grammar[request_id]
+            self.scheduler.reject(request_id, reason)
+
+    def _constrained_rows(self) -> list[tuple[int, str]]:
+        """(batch position, request id) of the rows that sample under a grammar this step: a
+        prefill chunk that does not end its prompt samples nothing."""
+        if self.structured is None or not self.structured.matchers:
+            return []
+        matchers = self.structured.matchers
+        return [
+            (row, request.request_id)
+            for row, request in enumerate(self.scheduler.scheduled_requests)
+            if request.request_id in matchers and request.num_computed_tokens == len(request.all_token_ids)
+        ]
+
+    def _fill_bitmask(self, request_ids: list[str]) -> bytes:
+        assert self.structured is not None
+        started = time.perf_counter()
+        bitmask = self.structured.fill_bitmask(request_ids)
+        self.structured.mask_seconds += time.perf_counter() - started
+        self.structured.mask_steps += 1
+        return bitmask
+
+    def _advance_matchers(self, outputs: EngineCoreOutputs) -> None:
+        """Feed the sampled tokens to their matchers; finish requests whose grammar completed."""
+        structured = self.structured
+        assert structured is not None
+        finished_now = {f.request_id for f in outputs.finished}
+        stopped, broken = [], []
+        for request_id, token in zip(outputs.request_ids, outputs.new_token_ids):
+            if request_id not in structured.matchers or request_id in finished_now:
+                continue
+            verdict = structured.advance(request_id, token)
+            if verdict == "stop":
+                stopped.append(request_id)
+            elif verdict == "error":
+                broken.append(request_id)
+        self.scheduler.stop_requests(stopped)
+        for request_id in broken:
+            self.scheduler.abort_requests([request_id], f"the sampled token broke the grammar: {structured.error_of(request_id)}")
+        outputs.finished.extend(self.scheduler.take_finished())
+        for finished in outputs.finished:
+            structured.remove(finished.request_id)
+
+    def stats(self) -> dict[str, float]:
+        """Executor timings, plus the time spent filling grammar masks per constrained step."""
+        stats = dict(self.executor.stats())
+        if self.structured is not None and self.structured.mask_steps:
+            stats["grammar_mask_us_per_step"] = self.structured.mask_seconds / self.structured.mask_steps * 1e6
+        return stats
+
     def shutdown(self) -> None:
+        if self.structured is not None:
+            self.structured.shutdown()
         self.executor.shutdown()

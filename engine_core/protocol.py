@@ -152,6 +152,17 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag="step"):
     finished_handles: list[int] = []
     preempted_handles: list[int] = []
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # Batch positions (packed uint16) whose rows have a grammar: a ``GrammarBitmask`` for this
+    # step follows on the same socket, sent while the workers run the forward pass.
+    structured_rows: bytes = b""
+
+
+class GrammarBitmask(msgspec.Struct, array_like=True, tag="mask"):
+    """The next-token masks of a step's ``structured_rows``: packed int32, ``ceil(vocab / 32)``
+    words per row in that order; bit ``t % 32`` of word ``t // 32`` allows token ``t``."""
+
+    step: int
+    bitmask: bytes
 
 
 class KVConnectorOutput(msgspec.Struct, array_like=True):
@@ -224,5 +235,5 @@ class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
 
 FrontendMessage = EngineCoreRequest | AbortRequests | UtilityRequest
 CoreMessage = EngineCoreOutputs | UtilityResponse | EngineReady | EngineDead
-ExecutorMessage = SchedulerOutput | Shutdown
+ExecutorMessage = SchedulerOutput | GrammarBitmask | Shutdown
 WorkerMessage = ModelRunnerOutput | WorkerReady | WorkerFailed

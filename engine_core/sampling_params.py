@@ -1,8 +1,61 @@
 """Per-request sampling parameters, validated the moment they are built (or decoded)."""
 
+import json
 import math
 
 import msgspec
+
+MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is refused
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """A constraint on the whole output; exactly one field is set.
+
+    ``json``: a JSON schema (its text); ``json_object``: any JSON object; ``regex``: the output
+    matches it; ``choice``: the output is one of these strings; ``grammar``: a Lark-style EBNF
+    grammar (llguidance's dialect, whose rule ``start`` is the output). Whether the engine can
+    compile it is known only when it tries: a failure ends that request with an ``error``.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar; got {given or 'none'}"
+            )
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        if len(self.spec) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_outputs.{given[0]} is longer than {MAX_GRAMMAR_CHARS} characters")
+        if self.json is not None:
+            try:
+                schema = json.loads(self.json)
+            except ValueError as error:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one string: with the kind, the key of the engine's compile cache."""
+        if self.choice is not None:
+            return json.dumps(self.choice)
+        return self.json or self.regex or self.grammar or ""
+
+    @property
+    def kind(self) -> str:
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -31,6 +84,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -69,6 +124,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                 raise ValueError(f"{name} must be a boolean, got {type(getattr(self, name)).__name__}")
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +156,19 @@ def _stop_strings(stop: object) -> list[str]:
     if any(s == "" for s in stop):
         raise ValueError("stop strings must not be empty")
     return stop
+
+
+def _check_logit_bias(bias: object) -> None:
+    """Bounded like OpenAI's: ids are checked against the vocabulary by the EngineCore."""
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must map token ids to numbers")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias has {len(bias)} entries, more than {MAX_LOGIT_BIAS_ENTRIES}")
+    for token, value in bias.items():
+        _check_int("logit_bias token id", token, minimum=0)
+        _check_number("logit_bias value", value)
+        if not -100 <= value <= 100:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {token}")
 
 
 def _stop_token_ids(ids: object) -> list[int]:

@@ -157,6 +157,19 @@ class Scheduler:
                 self._finish(request, status, message)
         self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
 
+    def stop_requests(self, request_ids: list[str]) -> None:
+        """Finish running requests with ``stop`` (their grammar is complete)."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RUNNING:
+                self._finish(request, RequestStatus.STOPPED)
+        self.running = [r for r in self.running if r.status == RUNNING]
+
+    @property
+    def scheduled_requests(self) -> list[Request]:
+        """The step's requests in batch order, between ``schedule`` and ``update_from_output``."""
+        return self._scheduled
+
     def has_work(self) -> bool:
         """Requests to run, outputs to deliver, or blocks a connector copy still holds (the
         copy's completion arrives only with a step). Released handles alone wait for a real step."""

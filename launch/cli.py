@@ -10,9 +10,10 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import NoReturn
 
-from strata.engine_core.sampling_params import SamplingParams
+from strata.engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from strata.launch import generate
 from strata.launch.bench import offload as bench_offload
 from strata.launch.bench import scheduler as bench_scheduler
@@ -51,11 +52,33 @@ def _start_llm(args: argparse.Namespace) -> LLM:
 def _generate(args: argparse.Namespace) -> None:
     with _usage_errors(args.parser):
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+            structured_outputs=_structured_outputs(args),
         )
         llm = _start_llm(args)
     with llm:
         generate.run(llm, args.prompt, params, chat=args.chat, as_json=args.json, progress=not args.no_progress)
+
+
+def _structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """The one output constraint of ``strata generate``, if any (a schema is read from its file)."""
+    given = {
+        "json": _read(args.json_schema, "--json-schema") if args.json_schema else None,
+        "regex": args.regex,
+        "choice": args.choice,
+        "grammar": _read(args.grammar, "--grammar") if args.grammar else None,
+    }
+    given = {name: value for name, value in given.items() if value is not None}
+    if args.json_object:
+        given["json_object"] = True
+    return StructuredOutputsParams(**given) if given else None
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{flag}: cannot read {path}: {error}") from None
 
 
 def _bench_throughput(args: argparse.Namespace) -> None:
@@ -165,6 +188,11 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--chat", action="store_true", help="send each prompt as a user message via the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt and line")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--json-schema", metavar="FILE", default=None, help="constrain the output to this JSON schema")
+    parser.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
+    parser.add_argument("--regex", default=None, help="constrain the output to this regular expression")
+    parser.add_argument("--choice", action="append", default=None, help="constrain the output to one of these (repeat)")
+    parser.add_argument("--grammar", metavar="FILE", default=None, help="constrain the output to this Lark-style grammar")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_generate, parser=parser)
 

@@ -188,6 +188,12 @@ def make_offload_connector(
     return OffloadingConnectorScheduler(scheduler.block_size, offload_block_size, num_cpu_blocks, policy)
 
 
+def tokenizer_json_path(model_dir: str) -> str | None:
+    """The model's fast-tokenizer file, which the EngineCore compiles grammars against."""
+    path = Path(model_dir) / "tokenizer.json"
+    return str(path) if path.is_file() else None
+
+
 def resolve(args: EngineArgs) -> ResolvedConfig:
     """Locate the model (converting the default GGUF once) and derive every config from it."""
     # torch-heavy: only when actually building

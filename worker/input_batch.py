@@ -50,6 +50,7 @@ class InputBatch:
         self.min_tokens = np.zeros(num_rows, dtype=np.int64)
         self.num_logprobs = np.full(num_rows, -1, dtype=np.int64)  # -1 = none
         self.stop_token_ids: list[list[int]] = [[] for _ in range(num_rows)]
+        self.logit_bias: list[dict[int, float] | None] = [None] * num_rows
         self.request_ids: list[str | None] = [None] * num_rows
 
     def add(self, new: NewRequestData) -> None:
@@ -72,6 +73,7 @@ class InputBatch:
         self.repetition_penalty[row] = params.repetition_penalty
         self.min_tokens[row] = params.min_tokens
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.logit_bias[row] = params.logit_bias or None
         stop = list(params.stop_token_ids or ())
         if new.eos_token_id is not None and not params.ignore_eos:
             stop.append(new.eos_token_id)

@@ -3,6 +3,7 @@ inputs, run the model over the paged KV cache, sample."""
 
 import logging
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -178,7 +179,9 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, step: SchedulerOutput, grammar_bitmask: Callable[[], bytes] | None = None) -> ModelRunnerOutput:
+        """Run the step; ``grammar_bitmask`` gives the masks of ``step.structured_rows``, asked
+        for only once the logits are computed (the EngineCore fills them meanwhile)."""
         rows, num_scheduled = self._update_batch(step)
         if self.offload is not None:
             self.offload.start_transfers(step.kv_connector_metadata)
@@ -202,7 +205,13 @@ class ModelRunner:
             )
             last_hidden = hidden[self._to_device(inputs.query_start_loc[1:] - 1)]
         logits = self.model.compute_logits(last_hidden)
-        tokens, logprobs = sample(logits, self._sampling_metadata(inputs))
+        meta = self._sampling_metadata(inputs)
+        if step.structured_rows:
+            assert grammar_bitmask is not None, "a step with structured rows needs their bitmask"
+            meta.grammar_rows = self._to_device(np.frombuffer(step.structured_rows, dtype=np.uint16).astype(np.int64))
+            words = np.frombuffer(grammar_bitmask(), dtype=np.int32).reshape(len(meta.grammar_rows), -1).copy()
+            meta.grammar_bitmask = self._to_device(words)
+        tokens, logprobs = sample(logits, meta)
         sampled = tokens.cpu().numpy()
         self.batch.advance(rows, num_scheduled, sampled)
         return ModelRunnerOutput(
@@ -289,6 +298,8 @@ class ModelRunner:
             if batch.num_logprobs[row] >= 0 and ends_its_tokens[i]
         ]
         meta.logprob_rows = wanted or None
+        biased = [(i, batch.logit_bias[row]) for i, row in enumerate(rows.tolist()) if batch.logit_bias[row]]
+        meta.logit_bias = biased or None
         return meta
 
     def _add_penalties(self, meta: SamplingMetadata, rows: np.ndarray) -> None:

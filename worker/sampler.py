@@ -39,6 +39,11 @@ class SamplingMetadata:
     banned_tokens: list[tuple[int, list[int]]] | None = None
     # Rows that want logprobs: (row, number of top alternatives).
     logprob_rows: list[tuple[int, int]] | None = None
+    # Rows with a logit bias: (row, {token id: bias}).
+    logit_bias: list[tuple[int, dict[int, float]]] | None = None
+    # Rows under a grammar and their packed int32 token masks [R, ceil(V / 32)].
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, dict[int, TokenLogprobs]]:
@@ -48,10 +53,15 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, 
     logits = logits.float()
     if meta.repetition_penalty is not None:
         logits = _apply_penalties(logits, meta)
-    if meta.banned_tokens:
+    if meta.banned_tokens or meta.logit_bias or meta.grammar_rows is not None:
         logits = logits.clone() if logits is raw else logits
-        for row, token_ids in meta.banned_tokens:
-            logits[row, token_ids] = float("-inf")
+    for row, bias in meta.logit_bias or ():
+        logits[row, list(bias)] += torch.tensor(list(bias.values()), device=logits.device)
+    for row, token_ids in meta.banned_tokens or ():
+        logits[row, token_ids] = float("-inf")
+    if meta.grammar_rows is not None:
+        assert meta.grammar_bitmask is not None
+        apply_token_bitmask(logits, meta.grammar_rows, meta.grammar_bitmask)
     greedy = logits.max(dim=-1).indices  # argmax's first-maximum answer, about 3x faster on CPU
     if meta.all_greedy:
         tokens = greedy
@@ -59,6 +69,17 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, 
         tokens = torch.where(meta.temperature == 0, greedy, _sample_random(logits, meta))
     logprobs = _logprobs(raw, tokens, meta.logprob_rows) if meta.logprob_rows else {}
     return tokens, logprobs
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, every token of ``rows`` whose bit in ``bitmask`` (packed int32,
+    bit ``t % 32`` of word ``t // 32``) is clear; tokens past the mask's end are disallowed."""
+    vocab = logits.shape[1]
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
 def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -11,7 +11,15 @@ import torch
 import zmq
 
 from strata.engine_core.ipc import die_with_parent, make_socket
-from strata.engine_core.protocol import ExecutorMessage, ModelRunnerOutput, Shutdown, WorkerFailed, WorkerReady
+from strata.engine_core.protocol import (
+    ExecutorMessage,
+    GrammarBitmask,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    Shutdown,
+    WorkerFailed,
+    WorkerReady,
+)
 from strata.engine_core.zmq_curve import WorkerCurveKeys, secure_client
 from strata.worker.config import WorkerConfig
 from strata.worker.devices import check_device_visible
@@ -60,16 +68,30 @@ def serve(config: WorkerProcessConfig) -> None:
 
 def _run_steps(runner: ModelRunner, steps: zmq.Socket, results: zmq.Socket, encoder, rank: int) -> None:
     decoder = msgspec.msgpack.Decoder(ExecutorMessage)
-    while True:
-        frame = steps.recv()
+
+    def receive() -> ExecutorMessage | None:
         try:
-            message = decoder.decode(frame)
+            return decoder.decode(steps.recv())
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
             logger.warning("rank %d dropped a malformed step frame: %s", rank, error)
+            return None
+
+    def grammar_bitmask_of(step: SchedulerOutput) -> bytes:
+        """The step's masks: the next frame, which the EngineCore sends once it has them."""
+        while True:
+            message = receive()
+            if isinstance(message, GrammarBitmask) and message.step == step.step:
+                return message.bitmask
+            if message is not None:
+                raise RuntimeError(f"expected the grammar bitmask of step {step.step}, got {type(message).__name__}")
+
+    while True:
+        message = receive()
+        if message is None or isinstance(message, GrammarBitmask):
             continue
         if isinstance(message, Shutdown):
             return
-        output = runner.execute(message)
+        output = runner.execute(message, lambda: grammar_bitmask_of(message))
         if rank != 0:  # the tokens are rank 0's to report; every rank reports its transfers
             output = ModelRunnerOutput(output.step, rank, kv_connector_output=output.kv_connector_output)
         results.send(encoder.encode(output))

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 from strata.engine_core.engine_core import EngineCore
 from strata.engine_core.protocol import EngineCoreOutputs, EngineCoreRequest
 from strata.launch.engine.core_client import SyncCoreClient
-from strata.launch.engine_args import EngineArgs, ResolvedConfig
+from strata.launch.engine_args import EngineArgs, ResolvedConfig, tokenizer_json_path
 
 if TYPE_CHECKING:
     from strata.launch.data_parallel.replicas import SyncDPClient
@@ -46,5 +46,6 @@ def start_engine(args: EngineArgs, resolved: ResolvedConfig) -> "InprocClient | 
         from strata.launch.executors.uni_executor import UniExecutor
 
         executor = UniExecutor(resolved.worker)
-        return InprocClient(EngineCore(resolved.scheduler, executor, resolved.make_connector(executor.num_cpu_blocks)))
+        connector = resolved.make_connector(executor.num_cpu_blocks)
+        return InprocClient(EngineCore(resolved.scheduler, executor, connector, tokenizer_path=tokenizer_json_path(resolved.worker.model)))
     return SyncCoreClient(resolved)

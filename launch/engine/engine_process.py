@@ -15,7 +15,7 @@ from strata.engine_core.ipc import IpcDir, die_with_parent
 from strata.engine_core.kv_events import KVEventPublisher
 from strata.engine_core.protocol import EngineReady
 from strata.engine_core.scheduler import SchedulerConfig
-from strata.launch.engine_args import RayConfig, make_offload_connector
+from strata.launch.engine_args import RayConfig, make_offload_connector, tokenizer_json_path
 from strata.worker.config import WorkerConfig
 
 logger = logging.getLogger("engine_core")
@@ -69,7 +69,9 @@ def main() -> None:
             loop.report_startup_failure(f"the engine failed to start: {error}")
             sys.exit(1)
         connector = make_offload_connector(config.scheduler, config.worker, config.kv_offload_policy, executor.num_cpu_blocks)
-        core = EngineCore(config.scheduler, executor, connector, publisher)
+        core = EngineCore(
+            config.scheduler, executor, connector, publisher, tokenizer_path=tokenizer_json_path(config.worker.model)
+        )
         loop.serve(core, EngineReady(executor.num_blocks, executor.vocab_size, executor.num_cpu_blocks))
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short

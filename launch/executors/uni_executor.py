@@ -1,5 +1,7 @@
 """The in-process executor: one rank, the model runner called directly (tests, debugging)."""
 
+from collections.abc import Callable
+
 import msgspec
 import torch
 
@@ -20,8 +22,10 @@ class UniExecutor:
         self.vocab_size = self.runner.model.vocab_size
         self.num_cpu_blocks = self.runner.num_cpu_blocks
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(scheduler_output)
+    def execute(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: Callable[[], bytes] | None = None
+    ) -> ModelRunnerOutput:
+        return self.runner.execute(scheduler_output, grammar_bitmask)
 
     def stats(self) -> dict[str, float]:
         return {}

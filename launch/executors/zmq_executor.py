@@ -24,6 +24,7 @@ from strata.engine_core.core_loop import ExecutorFailed
 from strata.engine_core.ipc import make_socket
 from strata.engine_core.zmq_curve import CurveServer, WorkerCurveKeys
 from strata.engine_core.protocol import (
+    GrammarBitmask,
     KVConnectorOutput,
     ModelRunnerOutput,
     SchedulerOutput,
@@ -135,12 +136,23 @@ class ZmqExecutor(ABC):
         self.num_cpu_blocks = min(r.num_cpu_blocks for r in ready.values())
         self.vocab_size = ready[0].vocab_size
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: Callable[[], bytes] | None = None
+    ) -> ModelRunnerOutput:
         started = time.perf_counter()
         frame = self._encoder.encode(scheduler_output)
         for sock in self._steps:
             sock.send(frame, copy=False)
         ipc_seconds = time.perf_counter() - started
+        if scheduler_output.structured_rows:
+            # The workers are running the forward pass meanwhile; they wait for this only to sample.
+            assert grammar_bitmask is not None, "structured rows without a bitmask"
+            mask = grammar_bitmask()
+            started = time.perf_counter()
+            mask_frame = self._encoder.encode(GrammarBitmask(scheduler_output.step, mask))
+            for sock in self._steps:
+                sock.send(mask_frame, copy=False)
+            ipc_seconds += time.perf_counter() - started
         outputs: dict[int, ModelRunnerOutput] = {}
         deadline = time.monotonic() + self.worker_timeout_s
         while len(outputs) < self.size:

@@ -24,6 +24,7 @@ from strata.engine_core.sampling_params import SamplingParams
 from strata.launch.async_engine import AsyncEngine
 from strata.launch.engine.core_client import EngineDeadError
 from strata.launch.server.metrics import ServerMetrics
+from strata.launch.server.structured import logit_bias_of, structured_outputs_of
 from strata.launch.server.protocol import (
     APIError,
     AssistantMessage,
@@ -71,6 +72,7 @@ class Job:
     stream: bool
     include_usage: bool
     cache_salt: str | None = None
+    priority: int = 0
 
 
 class OpenAIEndpoint(ABC, Generic[RequestT]):
@@ -166,6 +168,7 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
             stream=stream,
             include_usage=stream and body.stream_options is not None and bool(body.stream_options.include_usage),
             cache_salt=_cache_salt(tenant_salt, body.cache_salt),
+            priority=body.priority or 0,
         )
 
     def _sampling_params(self, body: RequestT, max_tokens: int) -> SamplingParams:
@@ -174,7 +177,13 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
         if given.get("top_k", -1) >= len(self.engine.tokenizer):
             given["top_k"] = -1
         try:
-            return SamplingParams(**given, max_tokens=max_tokens, logprobs=self.num_logprobs(body))
+            return SamplingParams(
+                **given,
+                max_tokens=max_tokens,
+                logprobs=self.num_logprobs(body),
+                structured_outputs=structured_outputs_of(body),
+                logit_bias=logit_bias_of(body),
+            )
         except ValueError as error:
             # SamplingParams' messages start with the field's name.
             field = str(error).split(" ", 1)[0]
@@ -211,7 +220,10 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
         return self.engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
 
     def max_tokens(self, body: CompletionRequest, room: int) -> int:
-        return DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        for value in (body.max_completion_tokens, body.max_tokens):
+            if value is not None:
+                return value
+        return DEFAULT_COMPLETION_MAX_TOKENS
 
     def num_logprobs(self, body: CompletionRequest) -> int | None:
         return body.logprobs
@@ -348,7 +360,9 @@ class _EngineRun:
         self._engine = engine
         self._metrics = metrics
         self._job = job
-        self._deltas = engine.generate(job.prompt_token_ids, job.params, job.request_id, cache_salt=job.cache_salt)
+        self._deltas = engine.generate(
+            job.prompt_token_ids, job.params, job.request_id, priority=job.priority, cache_salt=job.cache_salt
+        )
         self._first: CompletionDelta | None = None
         self._output: RequestOutput | None = None
 

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_N = 128  # OpenAI's limit on completions per request
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MAX_CACHE_SALT_CHARS = 256
+MAX_STOP = 4  # OpenAI's limit on stop strings
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 # Token ids travel as int32 to the engine; the engine checks them against the vocabulary.
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -30,6 +32,20 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(_Strict):
+    name: Annotated[str, Field(max_length=64)]
+    schema_: dict | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class GenerationRequest(_Strict):
     """The fields completions and chat completions share."""
 
@@ -39,7 +55,7 @@ class GenerationRequest(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     seed: Int64 | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stream: bool | None = None
@@ -53,6 +69,15 @@ class GenerationRequest(_Strict):
     ignore_eos: bool | None = None
     # Requests share prefix-cache blocks only with requests of the same salt (as in vLLM).
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
+    max_completion_tokens: int | None = None
+    priority: Int64 | None = None  # lower runs first, with --scheduling-policy priority
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM-style constraints (one per request, response_format included).
+    guided_json: dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -85,7 +110,6 @@ class ChatCompletionRequest(GenerationRequest):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(le=MAX_LOGPROBS)] | None = None
 

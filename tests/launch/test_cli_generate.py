@@ -69,6 +69,8 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal():
         ("--temperature", "-1", "temperature must be >= 0"),  # refused by SamplingParams
         ("--tensor-parallel-size", "0", "tensor_parallel_size must be >= 1"),  # by EngineArgs
         ("--top-k", "many", "invalid int value"),  # by argparse
+        ("--json-schema", "/nonexistent/schema.json", "--json-schema: cannot read"),
+        ("--choice", "", "non-empty strings"),  # by StructuredOutputsParams
     ],
 )
 def test_bad_flag_value_exits_2_with_a_one_line_error(flag, value, message):
@@ -87,3 +89,13 @@ def test_unsupported_architecture_exits_2_with_one_line_naming_it(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
     assert "model type 'gpt2' (GPT2LMHeadModel) is not supported; supported model types: " in result.stderr
     assert "qwen3_moe" in result.stderr
+
+
+def test_a_json_schema_file_constrains_every_completion(tmp_path):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    records = generate_json("--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-tokens", "8", "--json-schema", str(path))
+    for record in records:
+        assert record["finish_reason"] == "stop"
+        assert json.loads(record["text"]) in ({"ok": True}, {"ok": False})

@@ -70,7 +70,21 @@ SHARED_BAD_VALUES = {
     "n": not_an_int | ints_outside(1, 128),
     "seed": not_an_int | ints_outside(-(2**63), 2**63 - 1),
     "stop": json_values.filter(lambda v: v is not None and not isinstance(v, str | list))
-    | st.lists(not_a_string, min_size=1, max_size=3) | st.just("") | st.just(["a", ""]),
+    | st.lists(not_a_string, min_size=1, max_size=3) | st.just("") | st.just(["a", ""])
+    | st.lists(st.text(min_size=1), min_size=5, max_size=8),  # OpenAI allows 4
+    "logit_bias": json_values.filter(lambda v: v is not None and not isinstance(v, dict))
+    | st.dictionaries(st.integers(0, 100).map(str), below(-100) | above(100), min_size=1, max_size=3)
+    | st.dictionaries(st.text().filter(lambda k: not (k.isascii() and k.isdigit())), st.integers(-100, 100), min_size=1, max_size=3)
+    | st.just({str(i): 1 for i in range(301)})
+    | st.just({str(VOCAB_SIZE): 1}),  # outside the vocabulary: refused by the EngineCore
+    "priority": not_an_int,
+    "response_format": json_values.filter(lambda v: v is not None and not isinstance(v, dict))
+    | st.fixed_dictionaries({"type": st.text().filter(lambda t: t not in ("text", "json_object", "json_schema"))})
+    | st.just({"type": "json_schema"}) | st.just({"type": "json_schema", "json_schema": {"name": "x"}}),
+    "guided_choice": st.just([]) | st.just([""]) | json_values.filter(lambda v: v is not None and not isinstance(v, list)),
+    "guided_regex": st.sampled_from(["(", "[a-", "a{2,1}", "(?<"]),
+    "guided_json": json_values.filter(lambda v: v is not None and not isinstance(v, dict))
+    | st.just({"type": "objec"}) | st.just({"$ref": "#/nowhere"}),
     "presence_penalty": not_a_number | below(-2) | above(2),
     "frequency_penalty": not_a_number | below(-2) | above(2),
     "repetition_penalty": not_a_number | below(0) | zeros,
@@ -115,6 +129,14 @@ CHAT_BAD_VALUES = {
 ENDPOINTS = {"/v1/completions": (COMPLETION, COMPLETION_BAD_VALUES), "/v1/chat/completions": (CHAT, CHAT_BAD_VALUES)}
 REQUIRED = {"/v1/completions": ["model", "prompt"], "/v1/chat/completions": ["model", "messages"]}
 KNOWN_FIELDS = set(COMPLETION_BAD_VALUES) | set(CHAT_BAD_VALUES)
+
+
+def nested_schema(depth: int) -> dict:
+    """An object schema whose only property nests ``depth`` levels deep."""
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
 
 
 @st.composite
@@ -219,6 +241,11 @@ def test_any_json_value_as_a_body_is_a_4xx(http, value):
         (json.dumps({**COMPLETION, "temperature": -1}).encode(), "temperature must be >= 0"),
         (json.dumps({**COMPLETION, "prompt": ""}).encode(), "the prompt is empty"),
         (json.dumps({**COMPLETION, "prompt": "Hi " * 600}).encode(), "no room to generate"),
+        (json.dumps({**COMPLETION, "guided_json": nested_schema(40)}).encode(), "nests deeper than 64"),
+        (json.dumps({**COMPLETION, "logit_bias": {str(i): 1 for i in range(301)}}).encode(), "logit_bias"),
+        (json.dumps({**COMPLETION, "logit_bias": {"99999999": 1}}).encode(), "outside the vocabulary"),
+        (json.dumps({**COMPLETION, "guided_regex": "a", "guided_choice": ["a"]}).encode(), "at most one"),
+        (json.dumps({**COMPLETION, "stop": ["a", "b", "c", "d", "e"]}).encode(), "stop"),
     ],
 )
 def test_each_kind_of_bad_body_gets_its_own_message(http, body, message):
@@ -250,7 +277,11 @@ def test_unknown_path_and_wrong_method_get_openai_errors(http):
         {"top_p": 1e-300},
         {"logprobs": 20},
         {"n": 128, "max_tokens": 1},
-        {"stop": ["x"] * 200},
+        {"stop": ["x"] * 4},
+        {"logit_bias": {str(i): 100 for i in range(300)}},
+        {"priority": -(2**63)},
+        {"max_completion_tokens": 2},
+        {"guided_choice": ["x" * 300, "y"]},
         {"repetition_penalty": 1e308, "presence_penalty": 2, "frequency_penalty": -2},
     ],
 )

@@ -1,0 +1,163 @@
+"""Grammar state of the EngineCore: compiling constraints, token bitmasks, advancing matchers.
+
+Built on llguidance, which is torch-free (Rust, with numpy helpers). Compilation runs on one
+background thread, off the step path, behind a cache keyed by the constraint: a request whose
+grammar is not ready waits here, outside the scheduler, while the others run. Each step's
+mask is packed int32, ``ceil(vocab / 32)`` words per constrained row (bit ``t % 32`` of word
+``t // 32`` allows token ``t``), filled on llguidance's thread pool.
+"""
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.numpy as llguidance_numpy
+import numpy as np
+
+from strata.engine_core.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+COMPILE_CACHE_SIZE = 256
+MASK_THREADS = 2
+
+
+class GrammarError(ValueError):
+    """A constraint the engine cannot compile; the message names the problem."""
+
+
+class StructuredOutputs:
+    """Compiles constraints for a model's tokenizer and holds one matcher per request.
+
+    ``submit`` starts a request's grammar; ``take_compiled`` hands back the requests whose
+    grammar is ready (or failed); ``fill_bitmask`` computes the next-token masks of a batch;
+    ``advance`` feeds each matcher its sampled token.
+    """
+
+    def __init__(self, tokenizer_json_path: str, vocab_size: int, eos_token_id: int | None) -> None:
+        self.vocab_size = vocab_size
+        self.words_per_row = (vocab_size + 31) // 32
+        self._tokenizer_json_path = tokenizer_json_path
+        self._eos_token_id = eos_token_id
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._mask_pool = llguidance.LLExecutor(MASK_THREADS)
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()  # of pristine matchers
+        self._lock = threading.Lock()
+        self._compiling: dict[str, Future] = {}  # request id -> its compilation
+        self.matchers: dict[str, llguidance.LLMatcher] = {}  # request id -> its matcher
+        self.mask_seconds = 0.0  # time spent filling masks, for benchmarks
+        self.mask_steps = 0
+
+    # ---- compilation ----------------------------------------------------------------------
+
+    def submit(self, request_id: str, params: StructuredOutputsParams) -> None:
+        key = (params.kind, params.spec)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._compiler.submit(self._compile, params)
+                self._cache[key] = future
+                if len(self._cache) > COMPILE_CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        self._compiling[request_id] = future
+
+    def has_compiling(self) -> bool:
+        return bool(self._compiling)
+
+    def wait_for_compile(self, timeout_s: float) -> None:
+        """Block until some compilation finishes, at most ``timeout_s`` (nothing else to do)."""
+        pending = next((f for f in self._compiling.values() if not f.done()), None)
+        if pending is not None:
+            try:
+                pending.exception(timeout=timeout_s)
+            except TimeoutError:
+                pass
+
+    def take_compiled(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """Requests whose grammar is now ready (their matcher installed), and those whose grammar
+        failed, with the reason."""
+        ready, failed = [], []
+        for request_id, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            error = future.exception()
+            if error is None:
+                self.matchers[request_id] = future.result().deep_copy()
+                ready.append(request_id)
+            else:
+                reason = str(error) if isinstance(error, GrammarError) else f"the grammar failed to compile: {error!r}"
+                failed.append((request_id, reason))
+        return ready, failed
+
+    def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        if self._tokenizer is None:
+            with open(self._tokenizer_json_path, encoding="utf-8") as file:
+                self._tokenizer = llguidance.LLTokenizer(
+                    file.read(), n_vocab=self.vocab_size, eos_token=self._eos_token_id
+                )
+        grammar = _grammar(params)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        if error:
+            raise GrammarError(f"invalid {params.kind} constraint: {_first_lines(error)}")
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"invalid {params.kind} constraint: {_first_lines(matcher.get_error())}")
+        return matcher
+
+    # ---- per step -------------------------------------------------------------------------
+
+    def fill_bitmask(self, request_ids: list[str]) -> bytes:
+        """The packed next-token masks of these requests, one row each, in this order."""
+        bitmask = np.empty((len(request_ids), self.words_per_row), dtype=np.int32)
+        llguidance_numpy.fill_next_token_bitmask_par(
+            self._mask_pool, [(self.matchers[request_id], row) for row, request_id in enumerate(request_ids)], bitmask
+        )
+        return bitmask.tobytes()
+
+    def advance(self, request_id: str, token_id: int) -> str | None:
+        """Feed a sampled token to the request's matcher. Returns "stop" when the grammar is
+        complete (nothing may follow), "error" with the matcher's reason when the token broke
+        it, else None."""
+        matcher = self.matchers[request_id]
+        if not matcher.consume_token(token_id):
+            return "error"
+        return "stop" if matcher.is_stopped() else None
+
+    def error_of(self, request_id: str) -> str:
+        return _first_lines(self.matchers[request_id].get_error())
+
+    def remove(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+        self._compiling.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        self._compiler.shutdown(wait=False, cancel_futures=True)
+
+
+def _grammar(params: StructuredOutputsParams) -> str:
+    """The constraint as an llguidance grammar (JSON compact: no free whitespace)."""
+    if params.json is not None or params.json_object:
+        schema = params.json if params.json is not None else json.dumps({"type": "object"})
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
+        except ValueError as error:
+            raise GrammarError(f"invalid json constraint: {_first_lines(str(error))}") from None
+    if params.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if params.choice is not None:
+        # JSON string literals are Lark string literals: each choice is matched exactly.
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+    assert params.grammar is not None
+    return llguidance.LLMatcher.grammar_from_lark(params.grammar)
+
+
+def _first_lines(message: str, limit: int = 400) -> str:
+    message = " ".join(line.strip() for line in message.strip().splitlines()[:3])
+    return message if len(message) <= limit else message[: limit - 3] + "..."
