@@ -106,6 +106,9 @@ class EngineCoreLoop:
             return UtilityResponse(call.call_id, {"ok": True})
         if call.method == "debug_state":
             return UtilityResponse(call.call_id, self._debug_state())
+        if call.method == "reset_prefix_cache":
+            self.core.reset_prefix_cache()
+            return UtilityResponse(call.call_id, {"ok": True})
         return UtilityResponse(call.call_id, error=f"unknown utility method {call.method!r}")
 
     def _debug_state(self) -> UtilityResult:

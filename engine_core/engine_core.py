@@ -69,6 +69,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, so the next requests compute their prompts afresh (blocks
+        that running requests hold stay theirs). The CPU offload tier keeps its copies."""
+        self.scheduler.kv.reset_prefix_cache()
+
     def step(self) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute(scheduler_output)

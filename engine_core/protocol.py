@@ -180,7 +180,8 @@ UtilityResult = dict[str, int | float | str | bool | None]
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, tag="call"):
-    """A side call to the EngineCore: ``ping`` (health) or ``debug_state`` (stats + invariants)."""
+    """A side call to the EngineCore: ``ping`` (health), ``debug_state`` (stats + invariants) or
+    ``reset_prefix_cache``."""
 
     call_id: int
     method: str

@@ -101,6 +101,9 @@ class AsyncEngine:
     async def debug_state(self) -> dict:
         return await self.client.call_utility("debug_state")
 
+    async def reset_prefix_cache(self) -> None:
+        await self.client.call_utility("reset_prefix_cache")
+
     async def check_health(self) -> None:
         """Raise ``EngineDeadError`` unless the EngineCore answers a ping."""
         if self.client.dead_reason is not None:
