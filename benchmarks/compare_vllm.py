@@ -16,6 +16,7 @@ of 32-512 tokens -> 128 each), B (16 prompts: a shared 384-token prefix + 32 -> 
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -93,8 +94,12 @@ class Engine:
             try:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                self.process.terminate()  # the driver shuts its engine down on SIGTERM
+                try:
+                    self.process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
 
 
 def compare(engines: list[Engine], prompts: list[list[int]], output_len: int, reps: int) -> dict[str, list[float]]:
@@ -139,6 +144,7 @@ def main() -> None:
     parser.add_argument("--dump-prompts", type=Path, help="also write each workload's prompt file (vllm_offline.py's format) here")
     parser.add_argument("--json", type=Path, help="write the report here as JSON")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through the finally that stops the drivers
 
     model = resolve_model_path(None)
     tokenizer = AutoTokenizer.from_pretrained(model)

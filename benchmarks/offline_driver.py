@@ -11,6 +11,7 @@ Replies start with ``REPLY_MARK``: the engines log to stdout too.
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ WORKER_TIMEOUT_S = 600.0
 Generate = Callable[[list[list[int]], int], list[int]]  # prompts, max_tokens -> tokens made per request
 
 
-def load_strata(args: argparse.Namespace) -> tuple[Callable[[], None], Generate]:
+def load_strata(args: argparse.Namespace) -> tuple[Callable[[], None], Generate, Callable[[], None]]:
     from strata import LLM, SamplingParams
 
     llm = LLM(
@@ -35,10 +36,10 @@ def load_strata(args: argparse.Namespace) -> tuple[Callable[[], None], Generate]
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         return [len(output.outputs[0].token_ids) for output in llm.generate(prompts, params, use_tqdm=False)]
 
-    return llm.reset_prefix_cache, generate
+    return llm.reset_prefix_cache, generate, llm.shutdown
 
 
-def load_vllm(args: argparse.Namespace) -> tuple[Callable[[], None], Generate]:
+def load_vllm(args: argparse.Namespace) -> tuple[Callable[[], None], Generate, Callable[[], None]]:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enable_prefix_caching=True, seed=0)
@@ -48,7 +49,7 @@ def load_vllm(args: argparse.Namespace) -> tuple[Callable[[], None], Generate]:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [len(output.outputs[0].token_ids) for output in outputs]
 
-    return llm.reset_prefix_cache, generate
+    return llm.reset_prefix_cache, generate, lambda: None  # vLLM stops its engine process at exit
 
 
 def reply(message: dict) -> None:
@@ -64,17 +65,21 @@ def main() -> None:
     parser.add_argument("--executor", default="mp", help="strata only: uni, mp or ray")
     parser.add_argument("--kv-cache-gib", type=int, default=4, help="strata only; vLLM's is VLLM_CPU_KVCACHE_SPACE")
     args = parser.parse_args()
-    reset_prefix_cache, generate = (load_strata if args.engine == "strata" else load_vllm)(args)
-    reply({"ready": True})
-    for line in sys.stdin:
-        job = json.loads(line)
-        reset_prefix_cache()
-        start = time.perf_counter()
-        made = generate(job["prompts"], job["max_tokens"])
-        elapsed = time.perf_counter() - start
-        if any(count != job["max_tokens"] for count in made):
-            raise RuntimeError(f"{args.engine}: requests made {sorted(set(made))} tokens, not {job['max_tokens']}")
-        reply({"elapsed_s": elapsed, "output_tokens": sum(made)})
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through the finally: the engine stops its processes
+    reset_prefix_cache, generate, shutdown = (load_strata if args.engine == "strata" else load_vllm)(args)
+    try:
+        reply({"ready": True})
+        for line in sys.stdin:
+            job = json.loads(line)
+            reset_prefix_cache()
+            start = time.perf_counter()
+            made = generate(job["prompts"], job["max_tokens"])
+            elapsed = time.perf_counter() - start
+            if any(count != job["max_tokens"] for count in made):
+                raise RuntimeError(f"{args.engine}: requests made {sorted(set(made))} tokens, not {job['max_tokens']}")
+            reply({"elapsed_s": elapsed, "output_tokens": sum(made)})
+    finally:
+        shutdown()
 
 
 if __name__ == "__main__":
