@@ -173,6 +173,8 @@ class EngineCore:
         return outputs
 
     def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, so the next requests compute their prompts afresh (blocks
+        that running requests hold stay theirs). The CPU offload tier keeps its copies."""
         self.scheduler.kv.reset_prefix_cache()
         if self.event_publisher is not None:
             self.event_publisher.publish(self.scheduler.take_kv_events())

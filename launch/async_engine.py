@@ -115,6 +115,10 @@ class AsyncEngine:
         """The EngineCore's state; with data parallelism, {replica: state} of the live ones."""
         return await self.client.call_utility("debug_state")
 
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (on every replica with data parallelism)."""
+        await self.client.call_utility("reset_prefix_cache")
+
     def replica_stats(self) -> dict[int, SchedulerStats]:
         """Each serving replica's ``SchedulerStats`` as of its last step (replica 0 alone
         without data parallelism)."""

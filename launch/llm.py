@@ -122,6 +122,11 @@ class LLM:
                 pending -= done
                 progress.update(len(done))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (as vLLM's ``LLM.reset_prefix_cache``), e.g. between
+        timed runs of a benchmark, so that no run reuses the KV of an earlier one."""
+        self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

@@ -162,6 +162,10 @@ class SyncDPClient:
         for replica, ids in self.replicas.by_replica(request_ids).items():
             self.clients[replica].abort_requests(ids)
 
+    def reset_prefix_cache(self) -> None:
+        for replica in self.replicas.live:
+            self.clients[replica].reset_prefix_cache()
+
     def get_output(self) -> EngineCoreOutputs:
         """The next outputs of any replica (or the errors of a replica that died);
         EngineDeadError once every replica is gone."""

@@ -186,6 +186,9 @@ class SyncCoreClient:
             if isinstance(message, UtilityResponse):
                 self._replies[message.call_id] = message
 
+    def reset_prefix_cache(self) -> None:
+        self.call_utility("reset_prefix_cache")
+
     def call_utility(self, method: str, timeout_s: float = 30.0) -> UtilityResult:
         call_id, frame = self._conn.utility(method)
         self._input.send(frame)

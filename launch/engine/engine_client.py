@@ -28,6 +28,9 @@ class InprocClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.core.abort_requests(request_ids)
 
+    def reset_prefix_cache(self) -> None:
+        self.core.reset_prefix_cache()
+
     def get_output(self) -> EngineCoreOutputs:
         if not self.core.has_work():
             raise RuntimeError("get_output called with nothing in the engine")

@@ -13,6 +13,7 @@ from strata import LLM, SamplingParams
 from strata.launch.engine.core_client import EngineDeadError
 
 from conftest import descendants, live, rank_workers, wait_until_none_left
+from prefix_cache_checks import check_reset_prefix_cache_forgets_seen_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -27,6 +28,11 @@ def greedy_tokens(**engine_args) -> list[list[int]]:
 def test_tp2_over_ray_actors_gives_the_greedy_tokens_of_tp1(ray_cluster):
     single = greedy_tokens(executor="uni")
     assert greedy_tokens(executor="ray", tensor_parallel_size=2, ray_address=ray_cluster) == single
+
+
+def test_reset_prefix_cache_reaches_the_engine_core_of_a_ray_engine(ray_cluster):
+    with LLM(dtype="float32", executor="ray", ray_address=ray_cluster) as llm:
+        check_reset_prefix_cache_forgets_seen_prompts(llm)
 
 
 def test_more_ranks_than_cluster_cpus_fail_within_the_placement_timeout_naming_what_is_missing(ray_cluster):
