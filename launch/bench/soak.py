@@ -13,7 +13,6 @@ the end of the traffic. The result is one JSON object; ``passed`` says whether a
 
 import asyncio
 import json
-import os
 import random
 import signal
 import socket

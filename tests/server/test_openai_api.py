@@ -25,16 +25,6 @@ def server(log_dir):
         yield server
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def stream_text(chunks) -> tuple[dict[int, str], dict[int, str]]:
     """Text and finish reason per choice index, from a completions or chat stream."""
     texts: dict[int, str] = {}

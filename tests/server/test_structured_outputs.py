@@ -23,16 +23,6 @@ def server(log_dir):
         yield server
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def test_fifty_seeded_json_schema_answers_at_temperature_one_all_validate(client, model):
     response = client.chat.completions.create(
         model=model,
