@@ -68,7 +68,7 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         add = parser.add_argument
-        add("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+        add("--model", default=None, help="HF directory, .gguf file, or gemma3-270m (default: SmolLM2-135M-Instruct)")
         add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
         add("--device", default="auto", help="cpu, cuda or auto")
         add("--tensor-parallel-size", "-tp", type=int, default=1)

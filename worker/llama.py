@@ -52,6 +52,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -84,13 +85,27 @@ def rms_norm(
     return weight * normed.to(x.dtype), x
 
 
-def rope_inverse_frequencies(config: PreTrainedConfig, head_dim: int) -> torch.Tensor:
-    """Rotary inverse frequencies ``[head_dim / 2]`` (float32) after the config's rope scaling.
+def sliding_windows(config: PreTrainedConfig) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), read as HF does: the config's
+    ``layer_types`` where it has them (Qwen2, Gemma 3), else ``sliding_window`` on every layer
+    (Mistral). Qwen2's config drops its window when ``use_sliding_window`` is false."""
+    window = getattr(config, "sliding_window", None) or None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [window if layer_type == "sliding_attention" else None for layer_type in layer_types]
+    return [window] * config.num_hidden_layers
+
+
+def rope_inverse_frequencies(
+    config: PreTrainedConfig, head_dim: int, rope_parameters: dict[str, Any] | None = None
+) -> torch.Tensor:
+    """Rotary inverse frequencies ``[head_dim / 2]`` (float32) after the rope scaling of
+    ``rope_parameters`` (default: the config's).
 
     Reads transformers-5 ``rope_parameters`` or the older ``rope_scaling`` + ``rope_theta``.
     """
     params: dict[str, Any] = dict(
-        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        rope_parameters or getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     )
     theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
     if params.get("partial_rotary_factor", 1.0) != 1.0:
@@ -124,9 +139,10 @@ def _llama3_scaling(
 class RotaryEmbedding(nn.Module):
     """Cosines and sines of each token's position, computed per batch (no length-bound cache)."""
 
-    def __init__(self, config: PreTrainedConfig, head_dim: int) -> None:
+    def __init__(self, config: PreTrainedConfig, head_dim: int, rope_parameters: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inverse_frequencies(config, head_dim), persistent=False)
+        inv_freq = rope_inverse_frequencies(config, head_dim, rope_parameters)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and ``sin``, each ``[T, head_dim / 2]`` in float32."""
@@ -166,9 +182,16 @@ def partition_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> tu
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query attention over this rank's query heads and the KV heads they read."""
+    """Grouped-query attention over this rank's query heads and the KV heads they read, within
+    ``sliding_window`` positions if given."""
 
-    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        tp: TensorParallel,
+        attn_backend: AttentionBackend,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -188,6 +211,7 @@ class LlamaAttention(nn.Module):
         )
         self.attn_backend = attn_backend
         self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window
 
     def forward(
         self,
@@ -208,7 +232,7 @@ class LlamaAttention(nn.Module):
         value = value.view(-1, self.num_kv_heads, self.head_dim)
         if not fused:
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-        out = self.attn_backend.forward(query, key, value, kv_cache, meta, self.scale)
+        out = self.attn_backend.forward(query, key, value, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, q_size))
 
 
@@ -239,10 +263,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention then pre-norm MLP, each norm fused with the preceding residual add."""
 
-    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        tp: TensorParallel,
+        attn_backend: AttentionBackend,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, tp, attn_backend)
+        self.self_attn = LlamaAttention(config, tp, attn_backend, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
@@ -269,7 +299,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, attn_backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, tp, attn_backend, window) for window in sliding_windows(config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, self.layers[0].self_attn.head_dim)

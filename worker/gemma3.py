@@ -1,0 +1,223 @@
+"""Gemma 3 text models (``gemma3_text``): one tensor-parallel decoder over a paged KV cache.
+
+What sets it apart from the Llama family (``worker.llama``), each as HF transformers computes it:
+embeddings scaled by sqrt(hidden_size) rounded to the model dtype; RMSNorm weights stored as an
+offset from one, the scaling done in float32; RMSNorm of each query and key head before rotary;
+norms after attention and after the MLP as well as before them; a GeGLU MLP (tanh-approximated
+GELU); local layers with a sliding window and their own rotary base (``layer_types``) between
+global ones; scores scaled by ``query_pre_attn_scalar ** -0.5``; optional final logit
+softcapping; a head tied to the embedding.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedConfig
+
+from strata.worker.attention import AttentionMetadata
+from strata.worker.llama import (
+    AttentionBackend,
+    LlamaForCausalLM,
+    RotaryEmbedding,
+    apply_rotary,
+    partition_heads,
+    sliding_windows,
+)
+from strata.worker.parallel_state import TensorParallel
+from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+class GemmaRMSNorm(nn.Module):
+    """``x / rms(x) * (1 + weight)`` in float32, rounded to ``x``'s dtype once at the end."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma3Attention(nn.Module):
+    """Grouped-query attention with per-head q/k norms, over the last ``sliding_window``
+    positions in a local layer."""
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        tp: TensorParallel,
+        attn_backend: AttentionBackend,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_heads, kv_heads = partition_heads(num_heads, num_kv_heads, tp)
+        self.num_heads = q_heads.stop - q_heads.start
+        self.num_kv_heads = kv_heads.stop - kv_heads.start
+        q_rows = slice(q_heads.start * self.head_dim, q_heads.stop * self.head_dim)
+        kv_rows = slice(kv_heads.start * self.head_dim, kv_heads.stop * self.head_dim)
+        bias = config.attention_bias
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_rows, kv_rows, kv_rows], bias=bias)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, tp, bias=bias, columns=q_rows)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn_backend = attn_backend
+        self.scale = config.query_pre_attn_scalar**-0.5
+        self.sliding_window = sliding_window
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        query, key, value = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        query = apply_rotary(self.q_norm(query.view(-1, self.num_heads, self.head_dim)), cos, sin)
+        key = apply_rotary(self.k_norm(key.view(-1, self.num_kv_heads, self.head_dim)), cos, sin)
+        value = value.view(-1, self.num_kv_heads, self.head_dim)
+        out = self.attn_backend.forward(query, key, value, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(-1, q_size))
+
+
+class Gemma3MLP(nn.Module):
+    """GeGLU feed-forward (tanh-approximated GELU), its intermediate features split across ranks."""
+
+    def __init__(self, config: PreTrainedConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        rows = tp.shard(config.intermediate_size)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [rows, rows])
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Attention and MLP, each between a norm of its input and a norm of its output."""
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        tp: TensorParallel,
+        attn_backend: AttentionBackend,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.self_attn = Gemma3Attention(config, tp, attn_backend, sliding_window)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.mlp = Gemma3MLP(config, tp)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class Gemma3Model(nn.Module):
+    """Scaled embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix)."""
+
+    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        # HF multiplies by sqrt(hidden_size) rounded to the model dtype (25.25, not 25.3, in bf16).
+        self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
+        self.layer_types = list(config.layer_types)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, tp, attn_backend, window) for window in sliding_windows(config)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Local and global layers rotate with their own base (and scaling): one table per type.
+        self.rotary_emb = nn.ModuleDict(
+            {kind: RotaryEmbedding(config, config.head_dim, config.rope_parameters[kind]) for kind in set(self.layer_types)}
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        embedded = self.embed_tokens(input_ids)
+        hidden = embedded * self.embed_scale.to(embedded.dtype)
+        rotations = {kind: rotary(positions) for kind, rotary in self.rotary_emb.items()}
+        for layer, kind, kv_cache in zip(self.layers, self.layer_types, kv_caches, strict=True):
+            hidden = layer(hidden, *rotations[kind], kv_cache, meta)
+        return self.norm(hidden)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """A Gemma 3 text model on one tensor-parallel rank, with the attributes the model runner
+    sizes the KV cache with (those of ``LlamaForCausalLM``)."""
+
+    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        _check_supported(config)
+        self.model = Gemma3Model(config, tp, attn_backend)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.final_logit_softcapping = config.final_logit_softcapping
+        attention = self.model.layers[0].self_attn
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads_per_rank = attention.num_kv_heads
+        self.head_dim = attention.head_dim
+        self.vocab_size = config.vocab_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of a flat batch of ``T`` tokens."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the full vocabulary, on every rank, softcapped if the config says so."""
+        logits = self.lm_head(hidden).float()
+        if self.final_logit_softcapping:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # Checkpoint names and merged q/k/v and gate/up layers are those of the Llama family.
+    load_weights = LlamaForCausalLM.load_weights
+    _expected_parts = LlamaForCausalLM._expected_parts
+
+
+def _check_supported(config: PreTrainedConfig) -> None:
+    """Refuse, naming the setting, what this implementation does not compute."""
+    if config.hidden_activation not in _GELU_TANH:
+        raise ValueError(f"activation {config.hidden_activation!r} is not supported (only gelu_pytorch_tanh)")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ValueError("attn_logit_softcapping is not supported (no released Gemma 3 model uses it)")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention is not supported: strata serves causal language models")
+    unknown = set(config.layer_types) - set(_LAYER_TYPES)
+    if unknown:
+        raise ValueError(f"layer types {sorted(unknown)} are not supported (only {', '.join(_LAYER_TYPES)})")
