@@ -27,6 +27,21 @@ from strata.worker.parallel_state import TensorParallel
 from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
+# Gemma's turn format, for GGUF files that carry no template: BOS, then each message as
+# "<start_of_turn>{user|model}\n{text}<end_of_turn>\n"; a system message opens the first user turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set ns.system = message['content'] | trim + '\n\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n'"
+    " + ns.system + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% set ns.system = '' %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 

@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+from strata.worker.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
 from strata.worker.gemma3 import Gemma3ForCausalLM
 from strata.worker.llama import SUPPORTED_MODEL_TYPES, AttentionBackend, LlamaForCausalLM
 from strata.worker.parallel_state import TensorParallel
@@ -144,14 +145,18 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantise ``gguf`` with transformers' GGUF reader and save model and tokenizer to ``out``."""
+    """Dequantise ``gguf`` with transformers' GGUF reader and save model and tokenizer to ``out``
+    (a Gemma 3 file without a chat template gets Gemma's)."""
     source = {"pretrained_model_name_or_path": gguf.parent, "gguf_file": gguf.name, "local_files_only": True}
     # dequantize=True unpacks the quantised blocks into float32 weights that safetensors can hold.
     model = AutoModelForCausalLM.from_pretrained(
         **source, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
     )
     model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(**source).save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(**source)
+    if tokenizer.chat_template is None and model.config.model_type == "gemma3_text":
+        tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
 
 
 def load_model(

@@ -6,7 +6,14 @@ from transformers import PreTrainedModel
 
 from strata.worker.llama import LlamaForCausalLM
 
-from model_factory import hf_greedy, random_prompts, save_tiny_model, tiny_llama_config, tiny_qwen2_config
+from model_factory import (
+    hf_greedy,
+    random_prompts,
+    save_tiny_model,
+    tiny_llama_config,
+    tiny_mistral_config,
+    tiny_qwen2_config,
+)
 from worker_helpers import PagedRunner, greedy_decode, load_ours
 
 # Ragged, and crossing 16-token block boundaries.
@@ -15,9 +22,13 @@ PROMPT_LENGTHS = [5, 17, 33]
 Models = tuple[PreTrainedModel, LlamaForCausalLM]  # (the HF reference, ours loaded from its checkpoint)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+# Mistral's 8-token sliding window is shorter than most prompts here.
+TINY_CONFIGS = {"llama": tiny_llama_config, "qwen2": tiny_qwen2_config, "mistral": tiny_mistral_config}
+
+
+@pytest.fixture(scope="module", params=list(TINY_CONFIGS))
 def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Models:
-    config = tiny_llama_config() if request.param == "llama" else tiny_qwen2_config()
+    config = TINY_CONFIGS[request.param]()
     path = tmp_path_factory.mktemp(request.param)
     return save_tiny_model(config, path), load_ours(path)
 

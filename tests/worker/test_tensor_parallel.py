@@ -1,4 +1,4 @@
-"""Two gloo ranks compute the same full-vocabulary logits as one rank."""
+"""Two gloo ranks compute the same full-vocabulary logits as one rank (Llama family, Gemma 3)."""
 
 import socket
 import time
@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from strata.worker.parallel_state import init_tensor_parallel
 
-from model_factory import random_prompts, save_tiny_model, tiny_llama_config
+from model_factory import random_prompts, save_tiny_model, tiny_gemma3_config, tiny_llama_config
 from worker_helpers import PagedRunner, greedy_decode, load_ours
 
 TP_SIZE = 2
@@ -76,6 +76,15 @@ def test_two_ranks_give_the_logits_of_one_rank(num_kv_heads: int, tmp_path: Path
     config = tiny_llama_config(
         num_key_value_heads=num_kv_heads, attention_bias=True, mlp_bias=True, tie_word_embeddings=True
     )
+    assert_two_ranks_give_the_logits_of_one(config, tmp_path)
+
+
+def test_two_ranks_give_the_logits_of_one_rank_for_gemma3(tmp_path: Path) -> None:
+    # KV heads sharded, a sliding window shorter than the 20-token prompt, softcapped logits.
+    assert_two_ranks_give_the_logits_of_one(tiny_gemma3_config(), tmp_path)
+
+
+def assert_two_ranks_give_the_logits_of_one(config, tmp_path: Path) -> None:
     save_tiny_model(config, tmp_path)
     _, expected = greedy_decode(
         PagedRunner(load_ours(tmp_path)), random_prompts(PROMPT_LENGTHS, config.vocab_size), DECODE_TOKENS
