@@ -5,10 +5,11 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from strata.worker.attention import TorchAttentionBackend
 from strata.worker.gemma3 import Gemma3ForCausalLM
 
 from model_factory import hf_greedy, random_prompts, save_tiny_model, tiny_gemma3_config
-from worker_helpers import PagedRunner, greedy_decode, load_ours
+from worker_helpers import SINGLE_RANK, PagedRunner, greedy_decode, load_ours
 
 # Ragged, crossing 16-token blocks and the 8-token window.
 PROMPT_LENGTHS = [5, 17, 33]
@@ -65,3 +66,13 @@ def test_prefill_in_chunks_across_the_window_matches_one_prefill(models: Models)
     # Chunks shorter and longer than the window, one ending inside a block.
     chunks = [runner.step([(seq, prompt[start:stop])])[0] for start, stop in [(0, 5), (5, 21), (21, 24), (24, 45)]]
     torch.testing.assert_close(torch.cat(chunks), hf_logits(hf, prompt), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "setting,value",
+    [("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", True), ("hidden_activation", "silu")],
+)
+def test_settings_it_does_not_compute_are_refused_by_name(setting: str, value: object) -> None:
+    config = tiny_gemma3_config(**{setting: value})
+    with pytest.raises(ValueError, match="activation" if setting == "hidden_activation" else setting):
+        Gemma3ForCausalLM(config, SINGLE_RANK, TorchAttentionBackend())
