@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from transformers import AutoTokenizer
 
 from strata.engine_core.protocol import EngineCoreOutputs, SchedulerStats
 from strata.engine_core.sampling_params import SamplingParams
@@ -19,6 +18,8 @@ from strata.launch.engine.core_client import AsyncCoreClient, EngineDeadError
 from strata.launch.engine_args import EngineArgs, ResolvedConfig, resolve
 from strata.launch.output_processor import CompletionDelta, OutputProcessor
 from strata.launch.outputs import RequestOutput
+from strata.launch.prompts import encode_text
+from strata.launch.tokenizer import load_tokenizer
 
 T = TypeVar("T")
 
@@ -31,7 +32,9 @@ class AsyncEngine:
             raise ValueError("the async engine runs the EngineCore in its own process: use --executor mp or ray")
         self.args = args
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        if config.tokenizer_path is None:
+            raise ValueError("the async engine and the server need a tokenizer: pass --tokenizer DIR, not --skip-tokenizer")
+        self.tokenizer = load_tokenizer(config.tokenizer_path)
         self.client = AsyncCoreClient(config)
         self.processor = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_id)
         self._streams: dict[str, asyncio.Queue] = {}
@@ -54,7 +57,8 @@ class AsyncEngine:
         return self.config.scheduler.max_model_len
 
     def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        """A text prompt's token ids, with the tokenizer's default special tokens."""
+        return encode_text(self.tokenizer, prompt)
 
     async def off_loop(self, work: Callable[..., T], *args: object) -> T:
         """Run ``work(*args)`` (tokenizing, chat templates: CPU work that grows with the prompt)

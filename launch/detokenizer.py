@@ -16,7 +16,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: PreTrainedTokenizerBase | None,
         prompt_token_ids: list[int],
         stop: list[str],
         include_stop_str_in_output: bool = False,
@@ -34,7 +34,9 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
 
     def append(self, token_id: int) -> str:
-        """Add one token; return the text that may be released now."""
+        """Add one token; return the text that may be released now (none without a tokenizer)."""
+        if self.tokenizer is None:
+            return ""
         self._ids.append(token_id)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])

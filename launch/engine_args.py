@@ -11,6 +11,7 @@ from strata.engine_core.scheduler import SchedulerConfig
 from strata.worker.config import WorkerConfig
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+LOAD_FORMATS = ("auto", "dummy")  # as worker.model_loader.LOAD_FORMATS, without importing torch here
 RAY_PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
 
 
@@ -29,6 +30,9 @@ class EngineArgs:
     """Everything a user can set about the engine. ``model=None`` is the default model."""
 
     model: str | None = None
+    load_format: str = "auto"
+    tokenizer: str | None = None
+    skip_tokenizer: bool = False
     dtype: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
@@ -39,6 +43,9 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
@@ -62,15 +69,28 @@ class EngineArgs:
                 f"ray_placement_strategy must be one of {', '.join(RAY_PLACEMENT_STRATEGIES)}, "
                 f"got {self.ray_placement_strategy!r}"
             )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.skip_tokenizer and self.tokenizer is not None:
+            raise ValueError("tokenizer and skip_tokenizer exclude each other")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cuda_graph_sizes is not None and not all(1 <= size <= self.max_num_seqs for size in self.cuda_graph_sizes):
+            raise ValueError(
+                f"cuda_graph_sizes must lie in 1..max_num_seqs ({self.max_num_seqs}), got {self.cuda_graph_sizes}"
+            )
         if self.ray_placement_timeout_s <= 0:
             raise ValueError(f"ray_placement_timeout_s must be > 0, got {self.ray_placement_timeout_s}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         add = parser.add_argument
-        add("--model", default=None, help="HF directory, .gguf file, or gemma3-270m (default: SmolLM2-135M-Instruct)")
+        add("--model", default=None, help="HF directory, .gguf file, config.json or gemma3-270m (default: SmolLM2-135M-Instruct)")
+        add("--load-format", default="auto", choices=LOAD_FORMATS, help="dummy: seeded random weights of the config's shapes")
+        add("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+        add("--skip-tokenizer", action="store_true", help="no tokenizer: token-id prompts only, no output text")
         add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-        add("--device", default="auto", help="cpu, cuda or auto")
+        add("--device", default="auto", help="cpu, cuda, cuda:K (mp ranks take cuda:K, cuda:K+1, ...) or auto")
         add("--tensor-parallel-size", "-tp", type=int, default=1)
         add("--executor", default="mp", choices=["uni", "mp", "ray"], help="uni: one process (debugging)")
         add("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
@@ -79,6 +99,9 @@ class EngineArgs:
         add("--block-size", type=int, default=16)
         add("--kv-cache-memory", type=int, default=None, help="KV-cache bytes per rank")
         add("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (overrides --kv-cache-memory)")
+        add("--gpu-memory-utilization", type=float, default=0.9, help="CUDA: share of the GPU for weights, activations, graphs and KV cache")
+        add("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+        add("--cuda-graph-sizes", type=_int_list, default=None, help="CUDA: decode batch sizes to capture, e.g. 1,2,4,8 (default 1,2,4,8,16,...,max-num-seqs)")
         add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         add("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         add("--attention-backend", default=None, choices=["torch", "cpu", "triton"])
@@ -101,6 +124,7 @@ class ResolvedConfig:
     """What a frontend needs to start an engine, derived from ``EngineArgs`` and the model."""
 
     model_path: Path
+    tokenizer_path: Path | None  # None: --skip-tokenizer
     scheduler: SchedulerConfig
     worker: WorkerConfig
     executor: str = "mp"
@@ -126,10 +150,13 @@ def make_offload_connector(
 
 def resolve(args: EngineArgs) -> ResolvedConfig:
     """Locate the model (converting the default GGUF once) and derive every config from it."""
-    from strata.worker.model_loader import resolve_model_path  # torch-heavy: only when actually building
+    # torch-heavy: only when actually building
+    from strata.worker.model_loader import resolve_model_path
+    from strata.worker.model_registry import model_class
 
     path = resolve_model_path(args.model)
     model_config = json.loads((path / "config.json").read_text())
+    model_class(model_config.get("model_type", ""), model_config.get("architectures"))  # fail before any process starts
     model_max = int(model_config.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP))
     if args.max_model_len is None:
         max_model_len = min(model_max, DEFAULT_MAX_MODEL_LEN_CAP)
@@ -147,6 +174,7 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
     )
     worker = WorkerConfig(
         model=str(path),
+        load_format=args.load_format,
         dtype=args.dtype,
         device=_device(args.device),
         block_size=args.block_size,
@@ -155,6 +183,9 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=args.cuda_graph_sizes,
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,
         kv_offload_cpu_bytes=args.kv_offload_cpu_bytes,
@@ -164,8 +195,26 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
     if args.executor == "ray":
         ray_config = RayConfig(args.ray_address, args.ray_placement_strategy, args.ray_placement_timeout_s)
     return ResolvedConfig(
-        path, scheduler, worker, args.executor, args.worker_timeout_s, ray_config, args.kv_offload_policy
+        path, _tokenizer_path(args, path), scheduler, worker, args.executor, args.worker_timeout_s, ray_config, args.kv_offload_policy
     )
+
+
+def _tokenizer_path(args: EngineArgs, model_path: Path) -> Path | None:
+    if args.skip_tokenizer:
+        return None
+    if args.tokenizer is None:
+        return model_path
+    path = Path(args.tokenizer).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"tokenizer {args.tokenizer!r} is not a directory (tokenizers are never downloaded)")
+    return path
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _device(name: str) -> str:

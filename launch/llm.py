@@ -4,7 +4,7 @@ import itertools
 from collections.abc import Sequence
 
 from tqdm import tqdm
-from transformers import AutoTokenizer
+from transformers import PreTrainedTokenizerBase
 
 from strata.engine_core.protocol import SchedulerStats
 from strata.engine_core.sampling_params import SamplingParams
@@ -12,6 +12,8 @@ from strata.launch.engine_args import EngineArgs, resolve
 from strata.launch.engine.engine_client import start_engine
 from strata.launch.output_processor import OutputProcessor
 from strata.launch.outputs import RequestOutput
+from strata.launch.prompts import encode_chat, encode_text
+from strata.launch.tokenizer import load_tokenizer
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -25,9 +27,9 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: object) -> None:
         self.args = EngineArgs(model=model, **engine_args)
         self.config = resolve(self.args)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
+        self.tokenizer = load_tokenizer(self.config.tokenizer_path)
         self.engine = start_engine(self.args, self.config)
-        self.processor = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_id)
+        self.processor = OutputProcessor(self.tokenizer, None if self.tokenizer is None else self.tokenizer.eos_token_id)
         self._ids = itertools.count()
         self.stats: SchedulerStats | None = None  # as of the last step
 
@@ -38,7 +40,8 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete every prompt (text, or token ids); outputs come back in prompt order."""
+        """Complete every prompt (text, or token ids); outputs come back in prompt order. Text
+        is encoded with the tokenizer's default special tokens (a BOS where it adds one)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -48,7 +51,7 @@ class LLM:
         request_ids = []
         for prompt, params in zip(prompts, sampling_params):
             if isinstance(prompt, str):
-                text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+                text, token_ids = prompt, encode_text(self._require_tokenizer(), prompt)
             elif all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
                 text, token_ids = None, list(prompt)
             else:
@@ -69,12 +72,14 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-            for conversation in conversations
-        ]
-        token_ids = [self.tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts]
+        tokenizer = self._require_tokenizer()
+        token_ids = [encode_chat(tokenizer, conversation) for conversation in conversations]
         return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+
+    def _require_tokenizer(self) -> PreTrainedTokenizerBase:
+        if self.tokenizer is None:
+            raise ValueError("text prompts and chat need a tokenizer: this LLM was made with skip_tokenizer=True")
+        return self.tokenizer
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> None:
         pending = set(request_ids)

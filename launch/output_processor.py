@@ -40,7 +40,8 @@ class _Completion:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_id: int | None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, eos_token_id: int | None) -> None:
+        """``tokenizer=None``: outputs carry token ids and no text, and stop strings are refused."""
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self._completions: dict[str, _Completion] = {}
@@ -57,6 +58,8 @@ class OutputProcessor:
         """Register a prompt and return the engine requests for its ``n`` completions."""
         if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer)")
         now = time.time()
         output = RequestOutput(
             request_id, prompt, prompt_token_ids, [CompletionOutput(i) for i in range(params.n)], RequestMetrics(now)

@@ -8,9 +8,12 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PreTrainedConfig,
     PreTrainedModel,
     Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=97)
@@ -83,6 +86,56 @@ def tiny_gemma3_config(**overrides: object) -> Gemma3TextConfig:
     return Gemma3TextConfig(**(settings | overrides))
 
 
+def tiny_qwen3_config() -> Qwen3Config:
+    """Qwen3: per-head q/k norms, a head_dim (32) other than hidden / heads (16), GQA, tied embeddings."""
+    return Qwen3Config(
+        **_TINY, num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=True,
+        eos_token_id=None,
+    )
+
+
+def tiny_qwen3_moe_config() -> Qwen3MoeConfig:
+    """Qwen3-MoE: 6 experts (more than TP ranks), top-3 without renormalising, and a dense
+    middle layer (``mlp_only_layers``) with its own intermediate size."""
+    return Qwen3MoeConfig(
+        **(_TINY | {"num_hidden_layers": 3}),
+        num_key_value_heads=2,
+        moe_intermediate_size=32,
+        num_experts=6,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+    )
+
+
+def tiny_mixtral_config() -> MixtralConfig:
+    """Mixtral: 5 experts (an uneven split over 2 ranks), top-2, GQA."""
+    return MixtralConfig(
+        **(_TINY | {"intermediate_size": 48}),
+        num_key_value_heads=2,
+        num_local_experts=5,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+    )
+
+
+# The Llama family by model type (Gemma 3 has tests of its own); Mistral's 8-token window is
+# shorter than most test prompts.
+TINY_CONFIGS = {
+    "llama": tiny_llama_config,
+    "mistral": tiny_mistral_config,
+    "qwen2": tiny_qwen2_config,
+    "qwen3": tiny_qwen3_config,
+    "qwen3_moe": tiny_qwen3_moe_config,
+    "mixtral": tiny_mixtral_config,
+}
+
+
 def save_tiny_model(
     config: PreTrainedConfig, path: Path, seed: int = 0, **save_options: object
 ) -> PreTrainedModel:
@@ -113,7 +166,7 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[l
 @torch.inference_mode()
 def hf_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int) -> list[int]:
     """HF ``generate`` without sampling: the reference decode of one prompt."""
-    input_ids = torch.tensor([prompt])
+    input_ids = torch.tensor([prompt], device=model.device)
     output = model.generate(
         input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=num_tokens, do_sample=False
     )

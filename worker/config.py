@@ -5,10 +5,11 @@ import msgspec
 
 class WorkerConfig(msgspec.Struct):
     """One rank's configuration. ``model`` is a local HF-style directory (already resolved).
-    KV-cache size: ``num_gpu_blocks`` if set, else ``kv_cache_memory`` bytes per rank, else a
-    device default."""
+    KV-cache size: ``num_gpu_blocks`` if set, else ``kv_cache_memory`` bytes per rank, else on
+    CUDA what a profile run leaves of ``gpu_memory_utilization`` of the GPU, on CPU 1 GiB."""
 
     model: str
+    load_format: str = "auto"  # "dummy": random weights of the config's shapes
     dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
@@ -17,6 +18,9 @@ class WorkerConfig(msgspec.Struct):
     max_num_batched_tokens: int = 2048
     num_gpu_blocks: int | None = None
     kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9  # CUDA, when neither of the two above is set
+    enforce_eager: bool = False  # CUDA: no CUDA graphs
+    cuda_graph_sizes: list[int] | None = None  # padded decode batch sizes to capture; None: a default ladder
     attention_backend: str | None = None
     kv_offload_cpu_bytes: int | None = None  # CPU tier, total over all ranks
     kv_offload_block_size: int | None = None  # tokens per CPU block, a multiple of block_size

@@ -9,22 +9,17 @@ global ones; scores scaled by ``query_pre_attn_scalar ** -0.5``; optional final 
 softcapping; a head tied to the embedding.
 """
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedConfig
 
 from strata.worker.attention import AttentionMetadata
-from strata.worker.llama import (
-    AttentionBackend,
-    LlamaForCausalLM,
-    RotaryEmbedding,
-    apply_rotary,
-    partition_heads,
-    sliding_windows,
-)
+from strata.worker.llama import AttentionBackend, LlamaAttention, LlamaForCausalLM, RotaryEmbedding, apply_rotary
 from strata.worker.parallel_state import TensorParallel
-from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from strata.worker.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
@@ -59,9 +54,9 @@ class GemmaRMSNorm(nn.Module):
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Gemma3Attention(nn.Module):
-    """Grouped-query attention with per-head q/k norms, over the last ``sliding_window``
-    positions in a local layer."""
+class Gemma3Attention(LlamaAttention):
+    """Llama attention with per-head q/k norms before rotary and scores scaled by
+    ``query_pre_attn_scalar ** -0.5``, over the last ``sliding_window`` positions in a local layer."""
 
     def __init__(
         self,
@@ -70,38 +65,16 @@ class Gemma3Attention(nn.Module):
         attn_backend: AttentionBackend,
         sliding_window: int | None,
     ) -> None:
-        super().__init__()
-        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
-        q_heads, kv_heads = partition_heads(num_heads, num_kv_heads, tp)
-        self.num_heads = q_heads.stop - q_heads.start
-        self.num_kv_heads = kv_heads.stop - kv_heads.start
-        q_rows = slice(q_heads.start * self.head_dim, q_heads.stop * self.head_dim)
-        kv_rows = slice(kv_heads.start * self.head_dim, kv_heads.stop * self.head_dim)
-        bias = config.attention_bias
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_rows, kv_rows, kv_rows], bias=bias)
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, tp, bias=bias, columns=q_rows)
+        super().__init__(config, tp, attn_backend, sliding_window)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.attn_backend = attn_backend
         self.scale = config.query_pre_attn_scalar**-0.5
-        self.sliding_window = sliding_window
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        query, key, value = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        query = apply_rotary(self.q_norm(query.view(-1, self.num_heads, self.head_dim)), cos, sin)
-        key = apply_rotary(self.k_norm(key.view(-1, self.num_kv_heads, self.head_dim)), cos, sin)
-        value = value.view(-1, self.num_kv_heads, self.head_dim)
-        out = self.attn_backend.forward(query, key, value, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(-1, q_size))
+    def rotated_heads(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        query, key, value = self.split_heads(qkv)
+        return apply_rotary(self.q_norm(query), cos, sin), apply_rotary(self.k_norm(key), cos, sin), value
 
 
 class Gemma3MLP(nn.Module):
@@ -110,7 +83,9 @@ class Gemma3MLP(nn.Module):
     def __init__(self, config: PreTrainedConfig, tp: TensorParallel) -> None:
         super().__init__()
         rows = tp.shard(config.intermediate_size)
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [rows, rows])
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, [rows, rows], matrix_rows=[config.intermediate_size] * 2
+        )
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,15 +128,13 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     """Scaled embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix)."""
 
-    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, layers: Iterable[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         # HF multiplies by sqrt(hidden_size) rounded to the model dtype (25.25, not 25.3, in bf16).
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
         self.layer_types = list(config.layer_types)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, tp, attn_backend, window) for window in sliding_windows(config)
-        )
+        self.layers = nn.ModuleList(layers)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         # Local and global layers rotate with their own base (and scaling): one table per type.
         self.rotary_emb = nn.ModuleDict(
@@ -183,46 +156,35 @@ class Gemma3Model(nn.Module):
         return self.norm(hidden)
 
 
-class Gemma3ForCausalLM(nn.Module):
-    """A Gemma 3 text model on one tensor-parallel rank, with the attributes the model runner
-    sizes the KV cache with (those of ``LlamaForCausalLM``)."""
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """A Gemma 3 text model on one tensor-parallel rank: the Llama family's loading, checkpoint
+    names and KV-cache attributes around Gemma's own layers and decoder."""
 
     def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
-        super().__init__()
         _check_supported(config)
-        self.model = Gemma3Model(config, tp, attn_backend)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, tp, attn_backend)
         self.final_logit_softcapping = config.final_logit_softcapping
-        attention = self.model.layers[0].self_attn
-        self.num_layers = config.num_hidden_layers
-        self.num_kv_heads_per_rank = attention.num_kv_heads
-        self.head_dim = attention.head_dim
-        self.vocab_size = config.vocab_size
 
-    def forward(
+    def decoder_layer(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of a flat batch of ``T`` tokens."""
-        return self.model(input_ids, positions, kv_caches, meta)
+        config: PreTrainedConfig,
+        tp: TensorParallel,
+        attn_backend: AttentionBackend,
+        index: int,
+        sliding_window: int | None,
+    ) -> Gemma3DecoderLayer:
+        return Gemma3DecoderLayer(config, tp, attn_backend, sliding_window)
+
+    def decoder(self, config: PreTrainedConfig, tp: TensorParallel, layers: Iterable[nn.Module]) -> Gemma3Model:
+        return Gemma3Model(config, tp, layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the full vocabulary, on every rank, softcapped if the config says so."""
-        logits = self.lm_head(hidden).float()
+        logits = super().compute_logits(hidden)
         if self.final_logit_softcapping:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    # Checkpoint names and merged q/k/v and gate/up layers are those of the Llama family.
-    load_weights = LlamaForCausalLM.load_weights
-    _expected_parts = LlamaForCausalLM._expected_parts
 
 
 def _check_supported(config: PreTrainedConfig) -> None:

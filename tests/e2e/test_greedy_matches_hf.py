@@ -7,9 +7,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from strata import LLM, SamplingParams
 
 from conftest import save_tiny_model_with_tokenizer
-from model_factory import hf_greedy, random_prompts
+from model_factory import TINY_CONFIGS, hf_greedy, random_prompts
 
 NEW_TOKENS = 32
+LOGPROB_TOLERANCE = 1e-3  # float32 engine vs float32 HF, different kernels
 TEXT = (
     "The history of computing is a story of layers: transistors became gates, gates became "
     "processors, processors ran operating systems, and operating systems ran the programs "
@@ -47,11 +48,18 @@ def test_default_model_greedy_tokens_equal_hf_generate(default_model_path):
         assert output.outputs[0].token_ids == expected
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_tiny_random_model_greedy_tokens_equal_hf_generate(kind, tmp_path, default_model_path):
+@pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
+def test_tiny_random_model_greedy_tokens_and_logprobs_equal_hf(kind, tmp_path, default_model_path):
     reference = save_tiny_model_with_tokenizer(kind, tmp_path, default_model_path)
     prompts = random_prompts([5, 17, 33, 70], vocab_size=97)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     with LLM(str(tmp_path), executor="uni", dtype="float32") as llm:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
-        assert output.outputs[0].token_ids == hf_greedy(reference, prompt, NEW_TOKENS)
+        completion = output.outputs[0]
+        assert completion.token_ids == hf_greedy(reference, prompt, NEW_TOKENS)
+        with torch.inference_mode():
+            logits = reference(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits, dim=-1)
+        for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            assert entry[token] == pytest.approx(float(expected[step, token]), abs=LOGPROB_TOLERANCE)

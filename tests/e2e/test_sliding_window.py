@@ -18,7 +18,7 @@ VOCAB = 97
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, default_model_path) -> tuple[str, PreTrainedModel]:
     path = tmp_path_factory.mktemp("gemma3")
-    return str(path), save_tiny_model_with_tokenizer("gemma3", path, default_model_path)
+    return str(path), save_tiny_model_with_tokenizer("gemma3_text", path, default_model_path)
 
 
 @pytest.fixture(scope="module")

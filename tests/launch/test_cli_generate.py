@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GPT2Config
 
 from strata.worker.model_loader import resolve_model_path
 
@@ -78,3 +78,12 @@ def test_bad_flag_value_exits_2_with_a_one_line_error(flag, value, message):
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert result.stdout == ""
+
+
+def test_unsupported_architecture_exits_2_with_one_line_naming_it(tmp_path):
+    GPT2Config(n_layer=1, n_embd=16, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    result = strata("generate", "--model", str(tmp_path), "--prompt", "Hello")
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "model type 'gpt2' (GPT2LMHeadModel) is not supported; supported model types: " in result.stderr
+    assert "qwen3_moe" in result.stderr

@@ -1,4 +1,5 @@
-"""Our Llama-family model equals transformers on tiny random checkpoints, run through the paged cache."""
+"""Every Llama-family model (Llama, Mistral with its sliding window, Qwen2, Qwen3, Qwen3-MoE,
+Mixtral) equals transformers on tiny random checkpoints, run through the paged cache."""
 
 import pytest
 import torch
@@ -6,14 +7,7 @@ from transformers import PreTrainedModel
 
 from strata.worker.llama import LlamaForCausalLM
 
-from model_factory import (
-    hf_greedy,
-    random_prompts,
-    save_tiny_model,
-    tiny_llama_config,
-    tiny_mistral_config,
-    tiny_qwen2_config,
-)
+from model_factory import TINY_CONFIGS, hf_greedy, random_prompts, save_tiny_model
 from worker_helpers import PagedRunner, greedy_decode, load_ours
 
 # Ragged, and crossing 16-token block boundaries.
@@ -22,15 +16,10 @@ PROMPT_LENGTHS = [5, 17, 33]
 Models = tuple[PreTrainedModel, LlamaForCausalLM]  # (the HF reference, ours loaded from its checkpoint)
 
 
-# Mistral's 8-token sliding window is shorter than most prompts here.
-TINY_CONFIGS = {"llama": tiny_llama_config, "qwen2": tiny_qwen2_config, "mistral": tiny_mistral_config}
-
-
-@pytest.fixture(scope="module", params=list(TINY_CONFIGS))
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
 def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Models:
-    config = TINY_CONFIGS[request.param]()
     path = tmp_path_factory.mktemp(request.param)
-    return save_tiny_model(config, path), load_ours(path)
+    return save_tiny_model(TINY_CONFIGS[request.param](), path), load_ours(path)
 
 
 @torch.inference_mode()

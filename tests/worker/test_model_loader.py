@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config
-from model_factory import save_tiny_model, tiny_llama_config
+from model_factory import TINY_CONFIGS, save_tiny_model, tiny_llama_config, tiny_mixtral_config
 from worker_helpers import SINGLE_RANK, load_ours
 
 from strata.worker import model_loader
@@ -36,22 +36,53 @@ def test_checkpoint_missing_a_weight_is_rejected_with_its_name(tmp_path: Path) -
     weights = load_file(tmp_path / "model.safetensors")
     del weights["model.layers.1.self_attn.v_proj.weight"]
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.weight"):
+    with pytest.raises(ValueError, match=r"lacks tensors: model\.layers\.1\.self_attn\.v_proj\.weight$"):
         load_ours(tmp_path)
 
 
-def test_unsupported_architecture_is_rejected_clearly(tmp_path: Path) -> None:
-    GPT2Config(n_layer=1, n_embd=16, n_head=2).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="'gpt2'.*not supported.*llama, mistral, qwen2"):
+def test_checkpoint_missing_an_expert_is_rejected_with_its_name(tmp_path: Path) -> None:
+    save_tiny_model(tiny_mixtral_config(), tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.block_sparse_moe.experts.4.w3.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks tensors: model\.layers\.1\.block_sparse_moe\.experts\.4\.w3\.weight$"):
+        load_ours(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "shape"),
+    [
+        # One row more than the config's intermediate size: a slice would take the first rows.
+        ("llama", "model.layers.0.mlp.gate_proj.weight", (129, 64)),
+        ("qwen3_moe", "model.layers.2.mlp.experts.5.down_proj.weight", (64, 33)),
+    ],
+)
+def test_tensor_larger_than_the_config_says_is_rejected_with_its_name(
+    kind: str, name: str, shape: tuple[int, int], tmp_path: Path
+) -> None:
+    save_tiny_model(TINY_CONFIGS[kind](), tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights[name] = torch.zeros(shape)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"^checkpoint tensor '{name}': shape \({shape[0]}, {shape[1]}\) does not match"):
+        load_ours(tmp_path)
+
+
+def test_unsupported_architecture_is_rejected_naming_it_and_the_supported_ones(tmp_path: Path) -> None:
+    GPT2Config(n_layer=1, n_embd=16, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    with pytest.raises(
+        ValueError, match=r"^model type 'gpt2' \(GPT2LMHeadModel\) is not supported; supported model types: .*mixtral.*qwen3_moe"
+    ):
         load_model(tmp_path, torch.float32, SINGLE_RANK, TorchAttentionBackend(), "cpu")
 
 
-def test_hf_directory_is_used_as_is_and_anything_else_is_rejected(tmp_path: Path) -> None:
+def test_hf_directory_or_its_config_is_used_as_is_and_anything_else_is_rejected(tmp_path: Path) -> None:
     save_tiny_model(tiny_llama_config(), tmp_path / "model")
     assert resolve_model_path(str(tmp_path / "model")) == tmp_path / "model"
+    assert resolve_model_path(str(tmp_path / "model" / "config.json")) == tmp_path / "model"
     (tmp_path / "empty").mkdir()
-    for bad in ("empty", "missing.gguf", "missing"):
-        with pytest.raises(ValueError, match="neither a .gguf file nor a directory with a config.json"):
+    for bad in ("empty", "missing.gguf", "missing", "missing/config.json"):
+        with pytest.raises(ValueError, match="neither a .gguf file, a config.json nor a directory with a config.json"):
             resolve_model_path(str(tmp_path / bad))
 
 

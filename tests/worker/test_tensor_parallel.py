@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from transformers import PreTrainedConfig
 
 from strata.worker.parallel_state import init_tensor_parallel
 
-from model_factory import random_prompts, save_tiny_model, tiny_gemma3_config, tiny_llama_config
+from model_factory import TINY_CONFIGS, random_prompts, save_tiny_model, tiny_gemma3_config, tiny_llama_config
 from worker_helpers import PagedRunner, greedy_decode, load_ours
 
 TP_SIZE = 2
@@ -26,24 +27,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_rank(rank: int, port: int, model_dir: Path, out_dir: Path) -> None:
-    """One spawned rank: prefill and decode, save the logits of every step for the parent."""
+def _run_rank(rank: int, port: int, model_dir: Path, out_dir: Path, device: str) -> None:
+    """One spawned rank: prefill and decode, save the logits of every step for the parent.
+    gloo on any device: on CUDA it reduces CUDA tensors, so two ranks can share one GPU."""
     torch.set_num_threads(1)  # two ranks share the machine's cores
-    tp = init_tensor_parallel(rank, TP_SIZE, f"tcp://127.0.0.1:{port}")
+    tp = init_tensor_parallel(rank, TP_SIZE, f"tcp://127.0.0.1:{port}", device, backend="gloo")
     try:
-        model = load_ours(model_dir, tp)
+        model = load_ours(model_dir, tp, device)
         prompts = random_prompts(PROMPT_LENGTHS, model.vocab_size)
         _, logits = greedy_decode(PagedRunner(model), prompts, DECODE_TOKENS)
-        torch.save(logits, out_dir / f"rank{rank}.pt")
+        torch.save(logits.cpu(), out_dir / f"rank{rank}.pt")
     finally:
         tp.destroy()
 
 
-def _run_ranks(model_dir: Path, out_dir: Path) -> list[torch.Tensor]:
+def _run_ranks(model_dir: Path, out_dir: Path, device: str = "cpu") -> list[torch.Tensor]:
     context = mp.get_context("spawn")
     port = _free_port()
     ranks = [
-        context.Process(target=_run_rank, args=(rank, port, model_dir, out_dir)) for rank in range(TP_SIZE)
+        context.Process(target=_run_rank, args=(rank, port, model_dir, out_dir, device)) for rank in range(TP_SIZE)
     ]
     try:
         for process in ranks:
@@ -84,10 +86,22 @@ def test_two_ranks_give_the_logits_of_one_rank_for_gemma3(tmp_path: Path) -> Non
     assert_two_ranks_give_the_logits_of_one(tiny_gemma3_config(), tmp_path)
 
 
-def assert_two_ranks_give_the_logits_of_one(config, tmp_path: Path) -> None:
+@pytest.mark.gpu
+def test_two_ranks_on_one_gpu_through_gloo_give_the_logits_of_one_rank(tmp_path: Path) -> None:
+    config = tiny_llama_config(num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True)
+    assert_two_ranks_give_the_logits_of_one(config, tmp_path, device="cuda:0")
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_two_expert_parallel_ranks_give_the_logits_of_one_rank(kind: str, tmp_path: Path) -> None:
+    # 6 and 5 experts over 2 ranks: each rank computes only the tokens routed to its experts.
+    assert_two_ranks_give_the_logits_of_one(TINY_CONFIGS[kind](), tmp_path)
+
+
+def assert_two_ranks_give_the_logits_of_one(config: PreTrainedConfig, tmp_path: Path, device: str = "cpu") -> None:
     save_tiny_model(config, tmp_path)
     _, expected = greedy_decode(
-        PagedRunner(load_ours(tmp_path)), random_prompts(PROMPT_LENGTHS, config.vocab_size), DECODE_TOKENS
+        PagedRunner(load_ours(tmp_path, device=device)), random_prompts(PROMPT_LENGTHS, config.vocab_size), DECODE_TOKENS
     )
-    for rank_logits in _run_ranks(tmp_path, tmp_path):
-        torch.testing.assert_close(rank_logits, expected, atol=1e-4, rtol=1e-4)
+    for rank_logits in _run_ranks(tmp_path, tmp_path, device):
+        torch.testing.assert_close(rank_logits, expected.cpu(), atol=1e-4, rtol=1e-4)

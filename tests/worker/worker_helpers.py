@@ -13,8 +13,8 @@ from strata.worker.parallel_state import TensorParallel
 SINGLE_RANK = TensorParallel(rank=0, size=1)
 
 
-def load_ours(path: Path, tp: TensorParallel = SINGLE_RANK) -> LlamaForCausalLM:
-    return load_model(path, torch.float32, tp, TorchAttentionBackend(), "cpu")
+def load_ours(path: Path, tp: TensorParallel = SINGLE_RANK, device: str = "cpu") -> LlamaForCausalLM:
+    return load_model(path, torch.float32, tp, TorchAttentionBackend(), device)
 
 
 class PagedRunner:
@@ -25,9 +25,10 @@ class PagedRunner:
     ) -> None:
         self.model = model
         self.block_size = block_size
-        dtype = next(model.parameters()).dtype
+        weight = next(model.parameters())
+        self.device = weight.device
         shape = (2, num_blocks, block_size, model.num_kv_heads_per_rank, model.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(model.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=weight.dtype, device=self.device) for _ in range(model.num_layers)]
         self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.block_tables: list[list[int]] = []
         self.num_cached: list[int] = []
@@ -53,14 +54,15 @@ class PagedRunner:
             [self.block_tables[seq] + [0] * (max_blocks - len(self.block_tables[seq])) for seq in seqs]
         )
         blocks = block_tables[seq_of_token, positions // self.block_size]
+        device = self.device
         meta = AttentionMetadata(
-            slot_mapping=blocks * self.block_size + positions % self.block_size,
-            block_tables=block_tables.int(),
-            query_start_loc=torch.cumsum(torch.tensor([0] + lengths), 0).int(),
-            seq_lens=(starts + torch.tensor(lengths)).int(),
+            slot_mapping=(blocks * self.block_size + positions % self.block_size).to(device),
+            block_tables=block_tables.int().to(device),
+            query_start_loc=torch.cumsum(torch.tensor([0] + lengths), 0).int().to(device),
+            seq_lens=(starts + torch.tensor(lengths)).int().to(device),
         )
-        input_ids = torch.tensor([token for _, tokens in chunks for token in tokens])
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        input_ids = torch.tensor([token for _, tokens in chunks for token in tokens], device=device)
+        hidden = self.model(input_ids, positions.to(device), self.kv_caches, meta)
         for seq, n in zip(seqs, lengths):
             self.num_cached[seq] += n
         return list(self.model.compute_logits(hidden).split(lengths))
