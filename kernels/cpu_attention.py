@@ -34,14 +34,19 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention ``[num_tokens, num_heads, head_dim]`` (query's dtype) of each sequence's
-    new tokens over its paged context; the new tokens' K/V must already be in the cache.
-    ``query`` may be a strided view as long as its last dimension is contiguous."""
+    new tokens over its paged context, within the last ``sliding_window`` positions if given; the
+    new tokens' K/V must already be in the cache. ``query`` may be a strided view as long as its
+    last dimension is contiguous."""
     library = native.load_library()
     if library is None:
         raise RuntimeError("the C kernels are not available on this machine (see kernels.native)")
     _check(query, kv_cache, block_tables, query_start_loc, seq_lens)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     out = torch.empty(query.shape, dtype=query.dtype)
     status = library.paged_attention(
         query.data_ptr(),
@@ -60,6 +65,7 @@ def paged_attention(
         seq_lens.data_ptr(),
         seq_lens.numel(),
         query.shape[1],
+        sliding_window or 0,
         scale,
         out.data_ptr(),
         torch.get_num_threads(),

@@ -8,6 +8,8 @@ Layouts shared by every backend:
 - A batch is ragged: sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``
   (its new tokens) and has ``seq_lens[i]`` tokens of context in total, the new ones last.
   Its context lives in the blocks ``block_tables[i, :ceil(seq_lens[i] / block_size)]``.
+- Attention is causal; with a sliding window ``w`` (HF's convention, as in Mistral and Gemma 3)
+  the query at position ``i`` sees the keys at positions ``j`` with ``i - w < j <= i``.
 """
 
 from dataclasses import dataclass
@@ -57,15 +59,19 @@ class DecodeBucket:
 
 @dataclass
 class AttentionPlan:
-    """The index work of one step, shared by every layer: decode buckets, and each
-    multi-token chunk's rows, blocks, context length and causal mask (None = plain causal)."""
+    """The index work of one step, shared by every layer with the same window: decode buckets,
+    and each multi-token chunk's rows, blocks, context length and mask (None = plain causal)."""
 
     decodes: list[DecodeBucket]
     chunks: list[tuple[slice, torch.Tensor, int, torch.Tensor | None]]
 
 
 def plan_attention(
-    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
 ) -> AttentionPlan:
     device = block_tables.device
     starts = query_start_loc.tolist()
@@ -81,23 +87,43 @@ def plan_attention(
         q_len, context = starts[i + 1] - starts[i], lens[i]
         if q_len > 1:
             blocks = block_tables[i, : -(-context // block_size)].long()
-            # New token j sits at position context - q_len + j and sees every position up to it.
-            mask = None if q_len == context else torch.ones(q_len, context, dtype=torch.bool, device=device).tril(context - q_len)
-            chunks.append((slice(starts[i], starts[i + 1]), blocks, context, mask))
-    return AttentionPlan([_decode_bucket(b, starts, lens, block_tables, block_size) for b in buckets], chunks)
+            chunks.append((slice(starts[i], starts[i + 1]), blocks, context, _chunk_mask(q_len, context, sliding_window, device)))
+    return AttentionPlan(
+        [_decode_bucket(b, starts, lens, block_tables, block_size, sliding_window) for b in buckets], chunks
+    )
+
+
+def _chunk_mask(q_len: int, context: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Which of the ``context`` positions each of the ``q_len`` new tokens sees; None when that
+    is plain causal attention of a whole prompt."""
+    # New token j sits at position context - q_len + j and sees every position up to it.
+    if sliding_window is None and q_len == context:
+        return None
+    mask = torch.ones(q_len, context, dtype=torch.bool, device=device).tril(context - q_len)
+    if sliding_window is not None:
+        mask = mask.triu(context - q_len - sliding_window + 1)
+    return mask
 
 
 def _decode_bucket(
-    seqs: list[int], starts: list[int], lens: list[int], block_tables: torch.Tensor, block_size: int
+    seqs: list[int],
+    starts: list[int],
+    lens: list[int],
+    block_tables: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None,
 ) -> DecodeBucket:
     device = block_tables.device
     context = torch.tensor([lens[i] for i in seqs], device=device)
     max_blocks = -(-max(lens[i] for i in seqs) // block_size)
-    positions = torch.arange(max_blocks * block_size, device=device)
+    positions = torch.arange(max_blocks * block_size, device=device)[None, :]
+    mask = positions < context[:, None]
+    if sliding_window is not None:
+        mask &= positions >= context[:, None] - sliding_window
     return DecodeBucket(
         rows=torch.tensor([starts[i] for i in seqs], device=device),
         blocks=block_tables[torch.tensor(seqs, device=device), :max_blocks].long(),
-        mask=(positions[None, :] < context[:, None])[:, None, None, :],
+        mask=mask[:, None, None, :],
     )
 
 
@@ -109,14 +135,16 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     plan: AttentionPlan | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context (GQA aware), in
-    float32. ``query`` is ``[num_tokens, num_heads, head_dim]``; the new tokens' K/V must already
-    be in the cache. Single-token sequences (decodes) run in a few padded batches of similar
-    length; multi-token chunks run one attention call each, so the cost is per sequence, never per token. Pass the step's
-    ``plan`` to skip rebuilding it for every layer."""
+    float32, within ``sliding_window`` positions if given. ``query`` is ``[num_tokens, num_heads,
+    head_dim]``; the new tokens' K/V must already be in the cache. Single-token sequences
+    (decodes) run in a few padded batches of similar length; multi-token chunks run one attention
+    call each, so the cost is per sequence, never per token. Pass the step's ``plan`` (built with
+    the same window) to skip rebuilding it for every layer."""
     if plan is None:
-        plan = plan_attention(block_tables, query_start_loc, seq_lens, kv_cache.shape[2])
+        plan = plan_attention(block_tables, query_start_loc, seq_lens, kv_cache.shape[2], sliding_window)
     out = torch.empty_like(query)
     for bucket in plan.decodes:
         _decode_attention(query, kv_cache, bucket, scale, out)

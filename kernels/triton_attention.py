@@ -9,8 +9,8 @@ Work decomposition: a program takes a tile of ``BLOCK_Q`` consecutive new tokens
 sequence together with the ``GROUP`` query heads that share one KV head (GQA), i.e.
 ``BLOCK_Q * GROUP_PAD`` rows of a ``tl.dot``, so each K/V tile is loaded once per group. It
 walks the context in tiles of ``TILE_N`` keys (gathered per key through the block table, so
-tiles need not align with cache blocks), stopping at its last query's position (causality),
-with an online softmax in fp32.
+tiles need not align with cache blocks), from its first query's window start (0 without a
+sliding window) to its last query's position (causality), with an online softmax in fp32.
 
 The grid never depends on per-sequence lengths, so launching needs no device-to-host sync:
 sequence ``i`` is given the tile slots from ``query_start_loc[i] // BLOCK_Q + i`` on, which
@@ -41,6 +41,8 @@ _TARGET_PROGRAMS = 256
 _MIN_PARTITION = 256
 # log2(e): the kernels use exp2, which maps to one hardware instruction.
 _LOG2E = 1.4426950408889634
+# The window of full attention: longer than any context (positions are int32).
+_NO_WINDOW = 2**30
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -68,6 +70,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     scale_log2,  # softmax scale * log2(e)
+    window,  # sliding window in positions; a value past every context = full attention
     num_tokens,
     num_seqs,
     partition_len,  # SPLIT only: context tokens per partition, a multiple of TILE_N
@@ -118,12 +121,14 @@ def _paged_attention_kernel(
     ).to(DOT_DTYPE)
     position = context_before + token
 
-    # Causality: nothing after the tile's last query token is ever visible to it.
+    # Causality: nothing after the tile's last query token is ever visible to it; nothing
+    # before its first query token's window either.
     kv_end = tl.minimum(seq_len, context_before + first_token + BLOCK_Q)
-    kv_start = 0
+    kv_start = tl.maximum(context_before + first_token - window + 1, 0)
     if SPLIT:
-        kv_start = tl.program_id(2) * partition_len
-        kv_end = tl.minimum(kv_end, kv_start + partition_len)
+        partition_start = tl.program_id(2) * partition_len
+        kv_start = tl.maximum(kv_start, partition_start)
+        kv_end = tl.minimum(kv_end, partition_start + partition_len)
 
     # A finite floor instead of -inf keeps exp2(m_old - m_new) defined for rows that have
     # seen no visible key yet (possible when a split partition lies after a row's position).
@@ -148,7 +153,7 @@ def _paged_attention_kernel(
         ).to(DOT_DTYPE)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        visible = pos_ok[None, :] & (pos[None, :] <= position[:, None])
+        visible = pos_ok[None, :] & (pos[None, :] <= position[:, None]) & (pos[None, :] > position[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -165,7 +170,8 @@ def _paged_attention_kernel(
         tl.store(max_ptr + partial, m, mask=row_ok)
         tl.store(sum_ptr + partial, l, mask=row_ok)
     else:
-        out = acc / l[:, None]
+        # Rows past the tile's last token may see no key at all (l = 0); they are not stored.
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(
             out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -212,11 +218,13 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    sliding_window: int | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     split_kv: bool | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its paged context (GQA aware).
+    """Causal attention of each sequence's new tokens over its paged context (GQA aware),
+    within the last ``sliding_window`` positions if given.
 
     ``query`` ``[num_tokens, num_heads, head_dim]`` (last dim contiguous), ``kv_cache``
     ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` contiguous and of the query's
@@ -272,6 +280,7 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         scale * _LOG2E,
+        sliding_window or _NO_WINDOW,
         num_tokens,
         num_seqs,
         partition_len,

@@ -114,7 +114,7 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         add = parser.add_argument
-        add("--model", default=None, help="HF directory, .gguf file or config.json (default: SmolLM2-135M-Instruct)")
+        add("--model", default=None, help="HF directory, .gguf file, config.json or gemma3-270m (default: SmolLM2-135M-Instruct)")
         add("--load-format", default="auto", choices=LOAD_FORMATS, help="dummy: seeded random weights of the config's shapes")
         add("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
         add("--skip-tokenizer", action="store_true", help="no tokenizer: token-id prompts only, no output text")

@@ -5,7 +5,9 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
+    MistralConfig,
     MixtralConfig,
     PreTrainedConfig,
     PreTrainedModel,
@@ -38,6 +40,14 @@ def tiny_llama_config(**overrides: object) -> LlamaConfig:
     return LlamaConfig(**(settings | overrides))
 
 
+def tiny_mistral_config(**overrides: object) -> MistralConfig:
+    """Mistral v0.1 style: the Llama layout with an 8-token sliding window on every layer."""
+    settings = dict(
+        _TINY, num_key_value_heads=2, sliding_window=8, max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=None
+    )
+    return MistralConfig(**(settings | overrides))
+
+
 def tiny_qwen2_config() -> Qwen2Config:
     """Qwen2: q/k/v biases, tied embeddings, linear rope scaling."""
     return Qwen2Config(
@@ -48,6 +58,32 @@ def tiny_qwen2_config() -> Qwen2Config:
         eos_token_id=None,
         rope_parameters={"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 2.0},
     )
+
+
+def tiny_gemma3_config(**overrides: object) -> Gemma3TextConfig:
+    """Gemma 3: GQA, local layers with an 8-token window (shorter than the test prompts) around
+    a global one, different rotary bases (linear scaling on the global layer), a query scalar
+    that is not the head size, final logit softcapping."""
+    settings = dict(
+        _TINY,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=5.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 2.0},
+        },
+    )
+    return Gemma3TextConfig(**(settings | overrides))
 
 
 def tiny_qwen3_config() -> Qwen3Config:
@@ -88,8 +124,11 @@ def tiny_mixtral_config() -> MixtralConfig:
     )
 
 
+# The Llama family by model type (Gemma 3 has tests of its own); Mistral's 8-token window is
+# shorter than most test prompts.
 TINY_CONFIGS = {
     "llama": tiny_llama_config,
+    "mistral": tiny_mistral_config,
     "qwen2": tiny_qwen2_config,
     "qwen3": tiny_qwen3_config,
     "qwen3_moe": tiny_qwen3_moe_config,

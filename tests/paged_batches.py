@@ -32,7 +32,7 @@ class Batch:
     meta: AttentionMetadata
     scale: float
 
-    def reference(self) -> torch.Tensor:
+    def reference(self, sliding_window: int | None = None) -> torch.Tensor:
         return reference.paged_attention(
             self.query,
             self.kv_cache,
@@ -40,6 +40,7 @@ class Batch:
             self.meta.query_start_loc,
             self.meta.seq_lens,
             self.scale,
+            sliding_window=sliding_window,
         )
 
 
@@ -83,7 +84,9 @@ def make_batch(
     return Batch(query.to(DEVICE), kv_cache.to(DEVICE), meta, head_dim**-0.5)
 
 
-def forward_beside_torch_backend(backend, b: Batch) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def forward_beside_torch_backend(
+    backend, b: Batch, sliding_window: int | None = None
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """Run ``backend`` and the torch backend on ``b`` as the model calls them (strided q/k/v
     views of one projection, K/V written first), each on its own copy of the cache. Returns
     (the two caches, the two outputs), ``backend``'s first."""
@@ -94,7 +97,7 @@ def forward_beside_torch_backend(backend, b: Batch) -> tuple[tuple[torch.Tensor,
     key, value = (t.view(num_tokens, NUM_KV_HEADS, head_dim) for t in (key, value))
     caches = b.kv_cache, b.kv_cache.clone()
     outs = tuple(
-        each.forward(query, key, value, cache, b.meta, b.scale)
+        each.forward(query, key, value, cache, b.meta, b.scale, sliding_window)
         for each, cache in zip((backend, TorchAttentionBackend()), caches)
     )
     return caches, outs

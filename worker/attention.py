@@ -1,10 +1,12 @@
 """The attention backend interface: paged KV cache + block tables + slot mapping.
 
 The model calls ``backend.forward`` once per layer; the backend writes the new K/V into
-that layer's cache and attends. Backends differ only in which kernels they run.
+that layer's cache and attends, causally and, for a sliding-window layer, only over the last
+``sliding_window`` positions (see ``kernels.reference``). Backends differ only in which kernels
+they run.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,8 +24,9 @@ class AttentionMetadata:
     # Host-side maxima, when the caller has them: they spare the Triton backend a device sync.
     max_query_len: int | None = None
     max_seq_len: int | None = None
-    # The torch backend's per-step index work, built at the first layer and reused by the rest.
-    reference_plan: reference.AttentionPlan | None = None
+    # The torch backend's per-step index work by sliding window (None = full attention), built at
+    # the first layer with that window and reused by the rest.
+    reference_plans: dict[int | None, reference.AttentionPlan] = field(default_factory=dict)
 
 
 class TorchAttentionBackend:
@@ -39,15 +42,17 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]``; returns ``[T, H, D]``."""
         reference.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-        if meta.reference_plan is None:
-            meta.reference_plan = reference.plan_attention(
-                meta.block_tables, meta.query_start_loc, meta.seq_lens, kv_cache.shape[2]
+        plan = meta.reference_plans.get(sliding_window)
+        if plan is None:
+            plan = meta.reference_plans[sliding_window] = reference.plan_attention(
+                meta.block_tables, meta.query_start_loc, meta.seq_lens, kv_cache.shape[2], sliding_window
             )
         return reference.paged_attention(
-            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, meta.reference_plan
+            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, plan, sliding_window
         )
 
     @staticmethod
@@ -75,14 +80,18 @@ class CpuAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]``; returns ``[T, H, D]``."""
         cpu_kv_cache.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        if not cpu_attention.supports(query.shape[1], num_kv_heads, head_dim, block_size):
-            return reference.paged_attention(query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
-        return cpu_attention.paged_attention(
-            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+        attend = (
+            cpu_attention.paged_attention
+            if cpu_attention.supports(query.shape[1], num_kv_heads, head_dim, block_size)
+            else reference.paged_attention
+        )
+        return attend(
+            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, sliding_window=sliding_window
         )
 
     @staticmethod
@@ -110,6 +119,7 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]``; returns ``[T, H, D]``."""
         self._kv_cache.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
@@ -120,6 +130,7 @@ class TritonAttentionBackend:
             meta.query_start_loc,
             meta.seq_lens,
             scale,
+            sliding_window=sliding_window,
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
         )

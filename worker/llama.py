@@ -1,7 +1,7 @@
 """The Llama family (Llama, Mistral, Qwen2, SmolLM): one tensor-parallel decoder over a paged KV cache.
 
 Its attention, MLP, decoder layer and weight loading are the parts the other families
-(``worker/qwen3.py``, ``worker/mixtral.py``) build on.
+(``worker/qwen3.py``, ``worker/mixtral.py``, ``worker/gemma3.py``) build on.
 
 The model runs a flat, ragged batch: ``T`` tokens from any mix of prefills and decodes, each
 with its position; where each token's keys and values live is the attention metadata's job.
@@ -47,6 +47,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -79,13 +80,28 @@ def rms_norm(
     return weight * normed.to(x.dtype), x
 
 
-def rope_inverse_frequencies(config: PreTrainedConfig, head_dim: int) -> torch.Tensor:
-    """Rotary inverse frequencies ``[head_dim / 2]`` (float32) after the config's rope scaling.
+def sliding_windows(config: PreTrainedConfig) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), read as HF does: the config's
+    ``layer_types`` where it has them (Qwen2, Qwen3, Gemma 3), else ``sliding_window`` on every
+    layer (Mistral, Mixtral, Qwen3-MoE). Qwen configs drop their window when
+    ``use_sliding_window`` is false."""
+    window = getattr(config, "sliding_window", None) or None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [window if layer_type == "sliding_attention" else None for layer_type in layer_types]
+    return [window] * config.num_hidden_layers
+
+
+def rope_inverse_frequencies(
+    config: PreTrainedConfig, head_dim: int, rope_parameters: dict[str, Any] | None = None
+) -> torch.Tensor:
+    """Rotary inverse frequencies ``[head_dim / 2]`` (float32) after the rope scaling of
+    ``rope_parameters`` (default: the config's).
 
     Reads transformers-5 ``rope_parameters`` or the older ``rope_scaling`` + ``rope_theta``.
     """
     params: dict[str, Any] = dict(
-        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        rope_parameters or getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     )
     theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
     if params.get("partial_rotary_factor", 1.0) != 1.0:
@@ -119,9 +135,10 @@ def _llama3_scaling(
 class RotaryEmbedding(nn.Module):
     """Cosines and sines of each token's position, computed per batch (no length-bound cache)."""
 
-    def __init__(self, config: PreTrainedConfig, head_dim: int) -> None:
+    def __init__(self, config: PreTrainedConfig, head_dim: int, rope_parameters: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inverse_frequencies(config, head_dim), persistent=False)
+        inv_freq = rope_inverse_frequencies(config, head_dim, rope_parameters)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and ``sin``, each ``[T, head_dim / 2]`` in float32."""
@@ -161,9 +178,16 @@ def partition_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> tu
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query attention over this rank's query heads and the KV heads they read."""
+    """Grouped-query attention over this rank's query heads and the KV heads they read, within
+    ``sliding_window`` positions if given."""
 
-    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        tp: TensorParallel,
+        attn_backend: AttentionBackend,
+        sliding_window: int | None,
+    ) -> None:
         super().__init__()
         num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -186,6 +210,7 @@ class LlamaAttention(nn.Module):
         )
         self.attn_backend = attn_backend
         self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window
 
     def forward(
         self,
@@ -196,7 +221,7 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         query, key, value = self.rotated_heads(self.qkv_proj(hidden), cos, sin)
-        out = self.attn_backend.forward(query, key, value, kv_cache, meta, self.scale)
+        out = self.attn_backend.forward(query, key, value, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -278,7 +303,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix)."""
 
-    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, layers: Iterable[LlamaDecoderLayer]) -> None:
+    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, layers: Iterable[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(layers)
@@ -306,14 +331,18 @@ class LlamaForCausalLM(nn.Module):
     Attributes the model runner sizes the KV cache with: ``num_layers``,
     ``num_kv_heads_per_rank``, ``head_dim`` (each layer's cache is
     ``[2, num_blocks, block_size, num_kv_heads_per_rank, head_dim]``) and ``vocab_size``.
-    Other families subclass it and override ``decoder_layer`` (and ``checkpoint_name`` where
-    their checkpoints name modules differently).
+    Other families subclass it and override ``decoder_layer`` (``decoder`` too where the layers
+    are joined differently, and ``checkpoint_name`` where their checkpoints name modules
+    differently).
     """
 
     def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
         super().__init__()
-        layers = (self.decoder_layer(config, tp, attn_backend, index) for index in range(config.num_hidden_layers))
-        self.model = LlamaModel(config, tp, layers)
+        layers = (
+            self.decoder_layer(config, tp, attn_backend, index, window)
+            for index, window in enumerate(sliding_windows(config))
+        )
+        self.model = self.decoder(config, tp, layers)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -325,10 +354,19 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = config.vocab_size
 
     def decoder_layer(
-        self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend, index: int
-    ) -> LlamaDecoderLayer:
-        """Layer ``index`` of the decoder."""
-        return LlamaDecoderLayer(config, LlamaAttention(config, tp, attn_backend), LlamaMLP(config, tp))
+        self,
+        config: PreTrainedConfig,
+        tp: TensorParallel,
+        attn_backend: AttentionBackend,
+        index: int,
+        sliding_window: int | None,
+    ) -> nn.Module:
+        """Layer ``index`` of the decoder, attending within ``sliding_window`` positions if given."""
+        return LlamaDecoderLayer(config, LlamaAttention(config, tp, attn_backend, sliding_window), LlamaMLP(config, tp))
+
+    def decoder(self, config: PreTrainedConfig, tp: TensorParallel, layers: Iterable[nn.Module]) -> nn.Module:
+        """The decoder around ``layers``: embedding, the layers and the final norm."""
+        return LlamaModel(config, tp, layers)
 
     def forward(
         self,

@@ -13,7 +13,12 @@ class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral: Llama attention and a ``SparseMoE`` feed-forward in every layer."""
 
     def decoder_layer(
-        self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend, index: int
+        self,
+        config: PreTrainedConfig,
+        tp: TensorParallel,
+        attn_backend: AttentionBackend,
+        index: int,
+        sliding_window: int | None,
     ) -> LlamaDecoderLayer:
         if config.hidden_act != "silu":
             raise ValueError(f"activation {config.hidden_act!r} is not supported (only silu)")
@@ -26,7 +31,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
             names=("w1", "w3", "w2"),
             tp=tp,
         )
-        return LlamaDecoderLayer(config, LlamaAttention(config, tp, attn_backend), moe)
+        return LlamaDecoderLayer(config, LlamaAttention(config, tp, attn_backend, sliding_window), moe)
 
     def checkpoint_name(self, name: str) -> str:
         return name.replace(".mlp.", ".block_sparse_moe.")

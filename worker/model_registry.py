@@ -1,5 +1,6 @@
 """Which model class serves a checkpoint: one entry per HF ``model_type`` (config.json)."""
 
+from strata.worker.gemma3 import Gemma3ForCausalLM
 from strata.worker.llama import LlamaForCausalLM
 from strata.worker.mixtral import MixtralForCausalLM
 from strata.worker.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
@@ -11,6 +12,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "mixtral": MixtralForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 
 

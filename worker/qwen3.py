@@ -22,8 +22,14 @@ class Qwen3Attention(LlamaAttention):
     """Grouped-query attention whose query and key heads are RMS-normalised (``q_norm``,
     ``k_norm``, one weight per head dimension shared by all heads) before they are rotated."""
 
-    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
-        super().__init__(config, tp, attn_backend)
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        tp: TensorParallel,
+        attn_backend: AttentionBackend,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__(config, tp, attn_backend, sliding_window)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -50,9 +56,15 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 (dense). Attention biases follow ``attention_bias`` (off in released models)."""
 
     def decoder_layer(
-        self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend, index: int
+        self,
+        config: PreTrainedConfig,
+        tp: TensorParallel,
+        attn_backend: AttentionBackend,
+        index: int,
+        sliding_window: int | None,
     ) -> LlamaDecoderLayer:
-        return LlamaDecoderLayer(config, Qwen3Attention(config, tp, attn_backend), self.feed_forward(config, tp, index))
+        attention = Qwen3Attention(config, tp, attn_backend, sliding_window)
+        return LlamaDecoderLayer(config, attention, self.feed_forward(config, tp, index))
 
     def feed_forward(self, config: PreTrainedConfig, tp: TensorParallel, index: int) -> torch.nn.Module:
         return LlamaMLP(config, tp)

@@ -8,7 +8,9 @@
  * head), each query row's 16 dot products are summed by a shuffle tree instead of 16
  * horizontal reductions, and each value row is converted once and added into every row. The
  * next tile's rows are prefetched meanwhile: its block can be anywhere in the cache, and decode
- * attention is bound by these reads.
+ * attention is bound by these reads. With a sliding window the walk starts at the first tile
+ * any row of the item sees, so positions (and whole blocks) behind every row's window are
+ * never read.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,6 +30,7 @@ typedef struct {
     const int32_t *block_tables;
     int64_t block_table_stride;
     const int32_t *query_start_loc, *seq_lens;
+    int sliding_window; /* 0: full causal attention */
     float scale;
     char *out; /* [tokens, heads, head_dim], contiguous */
 } Batch;
@@ -76,12 +79,14 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int64_t block_stride = block_size * position_stride;
     const size_t cache_item = dtype_size(b->cache_dtype), query_item = dtype_size(b->query_dtype);
     /* Row x is token x / group and query head kv_head * group + x % group; it sees positions
-     * [0, visible[x]) (causal: the new tokens are the last ones of the context). */
+     * [first[x], visible[x]) (causal: the new tokens are the last ones of the context; a
+     * sliding window of w positions ends at the token's own). */
     const int last_visible = b->seq_lens[seq] - (b->query_start_loc[seq + 1] - (int)(row + num_tokens));
+    const int window = b->sliding_window;
     vfloat q[rows][chunks], acc[rows][chunks], keys[LANES][chunks], values[LANES][chunks], partial[LANES];
     float running_max[rows], denominator[rows];
     vfloat weights[rows];
-    int visible[rows];
+    int visible[rows], first[rows];
     for (int x = 0; x < rows; x++) {
         const int token = x / group, head = kv_head * group + x % group;
         const char *src = b->query + ((row + token) * b->query_token_stride + head * b->query_head_stride) * query_item;
@@ -92,9 +97,11 @@ static inline __attribute__((always_inline)) void attend_tile(
         running_max[x] = -INFINITY;
         denominator[x] = 0.f;
         visible[x] = last_visible - (num_tokens - 1 - token);
+        first[x] = window && visible[x] > window ? visible[x] - window : 0;
     }
     const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
-    for (int start = 0; start < last_visible; start += LANES) {
+    /* Row 0 (the item's first token) has the earliest window; tiles stay LANES-aligned. */
+    for (int start = first[0] / LANES * LANES; start < last_visible; start += LANES) {
         const int len = last_visible - start < LANES ? last_visible - start : LANES;
         const int64_t offset = (int64_t)blocks[start / block_size] * block_stride
                                + (start % block_size) * position_stride + (int64_t)kv_head * head_dim;
@@ -110,12 +117,12 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
         load_tile(b->keys + offset * cache_item, position_stride * cache_item, len, b->cache_dtype, chunks, keys);
         for (int x = 0; x < rows; x++) {
-            if (start >= visible[x]) continue;
+            if (start >= visible[x] || start + LANES <= first[x]) continue;
             for (int p = 0; p < LANES; p++) {
                 partial[p] = q[x][0] * keys[p][0];
                 for (int c = 1; c < chunks; c++) partial[p] += q[x][c] * keys[p][c];
             }
-            const vint in_view = LANE_INDEX < (visible[x] - start);
+            const vint in_view = (LANE_INDEX < (visible[x] - start)) & (LANE_INDEX >= (first[x] - start));
             const vfloat scores = select_lanes(in_view, sum_each(partial), (vfloat){0} - INFINITY);
             const float tile_max = max_of_lanes(scores);
             const float new_max = tile_max > running_max[x] ? tile_max : running_max[x];
@@ -129,7 +136,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
         load_tile(b->values + offset * cache_item, position_stride * cache_item, len, b->cache_dtype, chunks, values);
         for (int x = 0; x < rows; x++) {
-            if (start >= visible[x]) continue;
+            if (start >= visible[x] || start + LANES <= first[x]) continue;
             for (int c = 0; c < chunks; c++) {
                 vfloat sum = acc[x][c];
                 for (int p = 0; p < LANES; p++) sum += weights[x][p] * values[p][c];
@@ -157,15 +164,16 @@ static void attend_item(const Batch *b, int seq, int64_t row, int num_tokens, in
     }
 }
 
-/* Attention of the new tokens of every one of the batch's `num_seqs` sequences into `out`.
- * Returns 0, or -1 when the shapes are outside
+/* Attention of the new tokens of every one of the batch's `num_seqs` sequences into `out`, each
+ * over its last `sliding_window` positions (0: all of them). Returns 0, or -1 when the shapes
+ * are outside
  * what this kernel handles (head_dim a multiple of 16 up to 256, block_size a multiple of 16,
  * at most 16 query heads per KV head) or memory runs out. */
 int paged_attention(
     const void *query, int64_t query_token_stride, int64_t query_head_stride, int query_dtype,
     const void *kv_cache, int cache_dtype, int64_t num_blocks, int block_size, int num_kv_heads, int head_dim,
     const int32_t *block_tables, int64_t block_table_stride, const int32_t *query_start_loc,
-    const int32_t *seq_lens, int num_seqs, int num_heads, float scale, void *out,
+    const int32_t *seq_lens, int num_seqs, int num_heads, int sliding_window, float scale, void *out,
     int num_threads)
 {
     if (head_dim % LANES || head_dim > MAX_CHUNKS * LANES || block_size % LANES
@@ -197,7 +205,8 @@ int paged_attention(
         .query_dtype = query_dtype, .keys = kv_cache, .values = (const char *)kv_cache + cache_bytes,
         .cache_dtype = cache_dtype, .block_size = block_size, .num_heads = num_heads,
         .num_kv_heads = num_kv_heads, .block_tables = block_tables, .block_table_stride = block_table_stride,
-        .query_start_loc = query_start_loc, .seq_lens = seq_lens, .scale = scale, .out = out,
+        .query_start_loc = query_start_loc, .seq_lens = seq_lens, .sliding_window = sliding_window,
+        .scale = scale, .out = out,
     };
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
     for (int64_t i = 0; i < num_tiles * num_kv_heads; i++) {

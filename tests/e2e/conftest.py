@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 
 from strata.worker.model_loader import resolve_model_path
 
-from model_factory import TINY_CONFIGS, save_tiny_model, tiny_llama_config
+from model_factory import TINY_CONFIGS, save_tiny_model, tiny_gemma3_config, tiny_llama_config
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -18,7 +18,7 @@ def default_model_path() -> Path:
 
 def save_tiny_model_with_tokenizer(kind: str, path: Path, default_model_path: Path, **overrides):
     """A tiny random checkpoint plus the default model's tokenizer, so ``LLM`` can load it."""
-    config = tiny_llama_config(**overrides) if kind == "llama" else TINY_CONFIGS[kind]()
+    config = (TINY_CONFIGS | {"gemma3_text": tiny_gemma3_config})[kind](**overrides)
     model = save_tiny_model(config, path)
     AutoTokenizer.from_pretrained(default_model_path).save_pretrained(path)
     return model

@@ -16,13 +16,17 @@ from strata.worker.attention import CpuAttentionBackend, get_attention_backend
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # Contexts longer than one 16-position tile and not a multiple of it, beside decodes.
 LONG_BATCH = ([1, 40, 1, 3, 24], [300, 40, 17, 129, 100])
+# One position, shorter and longer than a 16-position tile, longer than every context (= none).
+SLIDING_WINDOWS = [1, 5, 20, 1000]
 
 pytestmark = pytest.mark.skipif(not cpu_attention.is_available(), reason="no C compiler to build the CPU kernels")
 
 
-def run_kernel(b) -> torch.Tensor:
+def run_kernel(b, sliding_window: int | None = None) -> torch.Tensor:
     meta = b.meta
-    return cpu_attention.paged_attention(b.query, b.kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, b.scale)
+    return cpu_attention.paged_attention(
+        b.query, b.kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, b.scale, sliding_window=sliding_window
+    )
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -36,6 +40,26 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def test_matches_reference(batch, group, head_dim, block_size, dtype):
     b = make_batch(*batch, group, head_dim, block_size, dtype)
     assert_close(run_kernel(b), b.reference())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sliding_window", SLIDING_WINDOWS)
+@pytest.mark.parametrize("batch", [BATCHES["mixed"], BATCHES["chunk_with_context"], LONG_BATCH], ids=["mixed", "chunk", "long"])
+def test_sliding_window_matches_reference(batch, sliding_window, dtype):
+    group, head_dim, block_size = LAYOUTS[1]  # GQA, 32-token blocks: windows end inside blocks and tiles
+    b = make_batch(*batch, group, head_dim, block_size, dtype)
+    assert_close(run_kernel(b, sliding_window), b.reference(sliding_window))
+
+
+def test_sliding_window_skips_blocks_behind_every_window():
+    """Blocks no query's window reaches are never read: filling them with NaN changes nothing."""
+    b = make_batch([1, 9], [300, 129], 2, 64, 16, torch.float32)
+    expected = b.reference(sliding_window=40)
+    for seq, (q_len, context) in enumerate([(1, 300), (9, 129)]):
+        first_seen = context - q_len - 40 + 1
+        behind = b.meta.block_tables[seq, : first_seen // 16].long()
+        b.kv_cache[:, behind] = float("nan")
+    assert_close(run_kernel(b, sliding_window=40), expected)
 
 
 def test_strided_query_view():
@@ -61,11 +85,12 @@ def test_unsupported_shapes_are_refused_and_the_backend_falls_back(head_dim, blo
     assert_close(out, b.reference())
 
 
-def test_cpu_backend_matches_torch_backend():
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_cpu_backend_matches_torch_backend(sliding_window):
     """Whole forward: strided q/k/v views of one projection, K/V written, then attention."""
     group, head_dim = 3, 64
     b = make_batch(*LONG_BATCH, group, head_dim, 16, torch.bfloat16)
-    caches, outs = forward_beside_torch_backend(CpuAttentionBackend(), b)
+    caches, outs = forward_beside_torch_backend(CpuAttentionBackend(), b, sliding_window)
     torch.testing.assert_close(caches[0], caches[1], atol=0, rtol=0)
     assert_close(outs[0], outs[1])
 

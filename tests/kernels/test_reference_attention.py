@@ -1,4 +1,5 @@
-"""The torch reference paged attention equals naive dense attention (ragged, GQA, both block sizes)."""
+"""The torch reference paged attention equals naive dense attention (ragged, GQA, both block
+sizes, with and without a sliding window)."""
 
 import pytest
 import torch
@@ -6,19 +7,24 @@ import torch
 from strata.kernels import reference
 
 
-def dense_attention(query, key, value, scale):
-    """Plain causal attention of ``query`` (the last tokens) over the whole context."""
+def dense_attention(query, key, value, scale, sliding_window=None):
+    """Plain causal attention of ``query`` (the last tokens) over the whole context; with a
+    window ``w``, the query at position i sees keys j with i - w < j <= i (HF's sliding mask)."""
     q_len, ctx = query.shape[0], key.shape[0]
     group = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", query, key) * scale
-    visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+    key_pos, query_pos = torch.arange(ctx)[None, :], torch.arange(ctx - q_len, ctx)[:, None]
+    visible = key_pos <= query_pos
+    if sliding_window is not None:
+        visible &= key_pos > query_pos - sliding_window
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), value)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 1, 6, 20], ids=["full", "window1", "window6", "window20"])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (8, 1)])
-def test_reference_equals_dense_attention_on_a_ragged_batch(block_size, num_heads, num_kv_heads):
+def test_reference_equals_dense_attention_on_a_ragged_batch(block_size, num_heads, num_kv_heads, sliding_window):
     torch.manual_seed(block_size + num_heads)
     head_dim, num_blocks = 16, 64
     context = [1, 7, 33, 50, 17, 64]  # ragged, some not multiples of the block size
@@ -33,10 +39,13 @@ def test_reference_equals_dense_attention_on_a_ragged_batch(block_size, num_head
         reference.write_kv_cache(keys[i], values[i], cache, slots)
     query = torch.randn(sum(new), num_heads, head_dim)
     starts = torch.tensor([0] + new).cumsum(0).int()
-    out = reference.paged_attention(query, cache, tables, starts, torch.tensor(context).int(), 0.3)
+    out = reference.paged_attention(
+        query, cache, tables, starts, torch.tensor(context).int(), 0.3, sliding_window=sliding_window
+    )
     for i in range(len(context)):
         rows = slice(starts[i], starts[i + 1])
-        assert torch.allclose(out[rows], dense_attention(query[rows], keys[i], values[i], 0.3), atol=1e-5)
+        expected = dense_attention(query[rows], keys[i], values[i], 0.3, sliding_window)
+        assert torch.allclose(out[rows], expected, atol=1e-5)
 
 
 def test_write_skips_slot_minus_one():

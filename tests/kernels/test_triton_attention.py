@@ -43,6 +43,32 @@ def test_matches_reference(batch, group, head_dim, block_size, dtype, split_kv):
 
 
 @pytest.mark.parametrize(
+    "batch,sliding_window,dtype,split_kv",
+    [
+        ("mixed", 5, torch.float32, False),
+        ("mixed", 1, torch.bfloat16, True),
+        ("chunk_with_context", 20, torch.float32, True),
+        ("chunk_with_context", 5, torch.bfloat16, False),
+        ("mixed", 1000, torch.float32, False),
+    ],
+)
+def test_sliding_window_matches_reference(batch, sliding_window, dtype, split_kv):
+    group, head_dim, block_size = LAYOUTS[1]
+    b = make_batch(*BATCHES[batch], group, head_dim, block_size, dtype)
+    out = triton_attention.paged_attention(
+        b.query,
+        b.kv_cache,
+        b.meta.block_tables,
+        b.meta.query_start_loc,
+        b.meta.seq_lens,
+        b.scale,
+        sliding_window=sliding_window,
+        split_kv=split_kv,
+    )
+    assert_close(out, b.reference(sliding_window))
+
+
+@pytest.mark.parametrize(
     "max_seq_len,num_programs,forced,expected",
     [
         (4096, 8, False, 16),  # few programs, long context: split up to _MIN_PARTITION
@@ -57,11 +83,12 @@ def test_split_heuristic(max_seq_len, num_programs, forced, expected):
     assert triton_attention._num_splits(max_seq_len, num_programs, forced=forced) == expected
 
 
-def test_triton_backend_matches_torch_backend():
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_triton_backend_matches_torch_backend(sliding_window):
     """Whole forward: strided q/k/v views of one projection, K/V written, then attention."""
     group, head_dim = 3, 80
     b = make_batch(*BATCHES["mixed"], group, head_dim, 16, torch.float32)
-    caches, outs = forward_beside_torch_backend(TritonAttentionBackend(), b)
+    caches, outs = forward_beside_torch_backend(TritonAttentionBackend(), b, sliding_window)
     torch.testing.assert_close(caches[0], caches[1], atol=0, rtol=0)
     assert_close(outs[0], outs[1])
 

@@ -1,5 +1,5 @@
-"""Every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral) equals transformers on tiny
-random checkpoints, run through the paged cache."""
+"""Every Llama-family model (Llama, Mistral with its sliding window, Qwen2, Qwen3, Qwen3-MoE,
+Mixtral) equals transformers on tiny random checkpoints, run through the paged cache."""
 
 import pytest
 import torch

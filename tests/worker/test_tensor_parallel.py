@@ -1,4 +1,4 @@
-"""Two gloo ranks compute the same full-vocabulary logits as one rank."""
+"""Two gloo ranks compute the same full-vocabulary logits as one rank (Llama family, Gemma 3)."""
 
 import socket
 import time
@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from transformers import PreTrainedConfig
 
 from strata.worker.parallel_state import init_tensor_parallel
 
-from model_factory import TINY_CONFIGS, random_prompts, save_tiny_model, tiny_llama_config
+from model_factory import TINY_CONFIGS, random_prompts, save_tiny_model, tiny_gemma3_config, tiny_llama_config
 from worker_helpers import PagedRunner, greedy_decode, load_ours
 
 TP_SIZE = 2
@@ -77,32 +78,30 @@ def test_two_ranks_give_the_logits_of_one_rank(num_kv_heads: int, tmp_path: Path
     config = tiny_llama_config(
         num_key_value_heads=num_kv_heads, attention_bias=True, mlp_bias=True, tie_word_embeddings=True
     )
-    save_tiny_model(config, tmp_path)
-    _, expected = greedy_decode(
-        PagedRunner(load_ours(tmp_path)), random_prompts(PROMPT_LENGTHS, config.vocab_size), DECODE_TOKENS
-    )
-    for rank_logits in _run_ranks(tmp_path, tmp_path):
-        torch.testing.assert_close(rank_logits, expected, atol=1e-4, rtol=1e-4)
+    assert_two_ranks_give_the_logits_of_one(config, tmp_path)
+
+
+def test_two_ranks_give_the_logits_of_one_rank_for_gemma3(tmp_path: Path) -> None:
+    # KV heads sharded, a sliding window shorter than the 20-token prompt, softcapped logits.
+    assert_two_ranks_give_the_logits_of_one(tiny_gemma3_config(), tmp_path)
 
 
 @pytest.mark.gpu
 def test_two_ranks_on_one_gpu_through_gloo_give_the_logits_of_one_rank(tmp_path: Path) -> None:
     config = tiny_llama_config(num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True)
-    save_tiny_model(config, tmp_path)
-    _, expected = greedy_decode(
-        PagedRunner(load_ours(tmp_path, device="cuda:0")), random_prompts(PROMPT_LENGTHS, config.vocab_size), DECODE_TOKENS
-    )
-    for rank_logits in _run_ranks(tmp_path, tmp_path, device="cuda:0"):
-        torch.testing.assert_close(rank_logits, expected.cpu(), atol=1e-4, rtol=1e-4)
+    assert_two_ranks_give_the_logits_of_one(config, tmp_path, device="cuda:0")
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_two_expert_parallel_ranks_give_the_logits_of_one_rank(kind: str, tmp_path: Path) -> None:
     # 6 and 5 experts over 2 ranks: each rank computes only the tokens routed to its experts.
-    config = TINY_CONFIGS[kind]()
+    assert_two_ranks_give_the_logits_of_one(TINY_CONFIGS[kind](), tmp_path)
+
+
+def assert_two_ranks_give_the_logits_of_one(config: PreTrainedConfig, tmp_path: Path, device: str = "cpu") -> None:
     save_tiny_model(config, tmp_path)
     _, expected = greedy_decode(
-        PagedRunner(load_ours(tmp_path)), random_prompts(PROMPT_LENGTHS, config.vocab_size), DECODE_TOKENS
+        PagedRunner(load_ours(tmp_path, device=device)), random_prompts(PROMPT_LENGTHS, config.vocab_size), DECODE_TOKENS
     )
-    for rank_logits in _run_ranks(tmp_path, tmp_path):
-        torch.testing.assert_close(rank_logits, expected, atol=1e-4, rtol=1e-4)
+    for rank_logits in _run_ranks(tmp_path, tmp_path, device):
+        torch.testing.assert_close(rank_logits, expected.cpu(), atol=1e-4, rtol=1e-4)
