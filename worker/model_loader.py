@@ -147,15 +147,42 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantise ``gguf`` with transformers' GGUF reader and save model and tokenizer to ``out``
     (a Gemma 3 file without a chat template gets Gemma's)."""
     source = {"pretrained_model_name_or_path": gguf.parent, "gguf_file": gguf.name, "local_files_only": True}
-    # dequantize=True unpacks the quantised blocks into float32 weights that safetensors can hold.
-    model = AutoModelForCausalLM.from_pretrained(
-        **source, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-    )
-    model.save_pretrained(out)
-    tokenizer = AutoTokenizer.from_pretrained(**source)
+    with _one_gguf_parse_per_file():
+        # dequantize=True unpacks the quantised blocks into float32 weights that safetensors can hold.
+        model = AutoModelForCausalLM.from_pretrained(
+            **source, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+        )
+        model.save_pretrained(out)
+        tokenizer = AutoTokenizer.from_pretrained(**source)
     if tokenizer.chat_template is None and model.config.model_type == "gemma3_text":
         tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
+
+
+@contextmanager
+def _one_gguf_parse_per_file() -> Iterator[None]:
+    """Share one ``gguf.GGUFReader`` per file while it is in effect.
+
+    transformers parses the whole file's metadata again for the config, for the weights (twice:
+    config first) and for the tokenizer; with Gemma 3's 262,144-entry vocabulary one parse takes
+    over a minute on 2 cores, and every parse reads the same bytes. The reader is only read from.
+    """
+    import gguf as gguf_package
+
+    reader_class = gguf_package.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def shared_reader(path: str | os.PathLike[str], mode: str = "r") -> object:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    gguf_package.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf_package.GGUFReader = reader_class
 
 
 def load_model(
