@@ -37,7 +37,7 @@ class AsyncEngine:
             raise ValueError("the async engine and the server need a tokenizer: pass --tokenizer DIR, not --skip-tokenizer")
         self.tokenizer = load_tokenizer(config.tokenizer_path)
         self.client = AsyncCoreClient(config) if args.data_parallel_size == 1 else AsyncDPClient(args, config)
-        self.processor = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_id)
+        self.processor = OutputProcessor.for_model(self.tokenizer, config.model_path)
         self._streams: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
         self.stats: SchedulerStats | None = None

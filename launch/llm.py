@@ -29,7 +29,7 @@ class LLM:
         self.config = resolve(self.args)
         self.tokenizer = load_tokenizer(self.config.tokenizer_path)
         self.engine = start_engine(self.args, self.config)
-        self.processor = OutputProcessor(self.tokenizer, None if self.tokenizer is None else self.tokenizer.eos_token_id)
+        self.processor = OutputProcessor.for_model(self.tokenizer, self.config.model_path)
         self._ids = itertools.count()
         self.stats: SchedulerStats | None = None  # as of the last step
 

@@ -7,6 +7,7 @@ hit one) and keeps the cumulative ``RequestOutput`` of every prompt.
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 from transformers import PreTrainedTokenizerBase
@@ -15,6 +16,7 @@ from strata.engine_core.protocol import EngineCoreOutputs, EngineCoreRequest
 from strata.engine_core.sampling_params import SamplingParams
 from strata.launch.detokenizer import IncrementalDetokenizer
 from strata.launch.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from strata.launch.tokenizer import generation_eos_token_ids
 
 
 @dataclass
@@ -40,12 +42,26 @@ class _Completion:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, eos_token_id: int | None) -> None:
-        """``tokenizer=None``: outputs carry token ids and no text, and stop strings are refused."""
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        eos_token_id: int | None,
+        extra_eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        """``tokenizer=None``: outputs carry token ids and no text, and stop strings are refused.
+        ``extra_eos_token_ids`` (the generation config's other EOS ids) become stop token ids of
+        every request that does not ignore EOS."""
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
+        self.extra_eos_token_ids = extra_eos_token_ids
         self._completions: dict[str, _Completion] = {}
         self.outputs: dict[str, RequestOutput] = {}
+
+    @classmethod
+    def for_model(cls, tokenizer: PreTrainedTokenizerBase | None, model_path: Path) -> "OutputProcessor":
+        """The processor for the model in ``model_path``, with its tokenizer's and generation config's EOS ids."""
+        eos_token_id = None if tokenizer is None else tokenizer.eos_token_id
+        return cls(tokenizer, eos_token_id, generation_eos_token_ids(model_path, eos_token_id))
 
     def add_request(
         self,
@@ -72,6 +88,9 @@ class OutputProcessor:
             request_id, prompt, prompt_token_ids, [CompletionOutput(i) for i in range(params.n)], RequestMetrics(now)
         )
         self.outputs[request_id] = output
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            stop_token_ids = list(dict.fromkeys([*(params.stop_token_ids or []), *self.extra_eos_token_ids]))
+            params = msgspec.structs.replace(params, stop_token_ids=stop_token_ids)
         requests = []
         for index, (child_id, completion) in enumerate(zip(child_ids, output.outputs)):
             child_params = params

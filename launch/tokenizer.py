@@ -1,6 +1,7 @@
 """The frontend's tokenizer: the model's own, another directory (``--tokenizer``) or none
 (``--skip-tokenizer``, token-id prompts only)."""
 
+import json
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -16,3 +17,15 @@ def load_tokenizer(path: Path | None) -> PreTrainedTokenizerBase | None:
         raise ValueError(
             f"no usable tokenizer in {path} ({error}); pass --tokenizer DIR, or --skip-tokenizer for token-id prompts"
         ) from error
+
+
+def generation_eos_token_ids(model_path: Path, tokenizer_eos_token_id: int | None) -> tuple[int, ...]:
+    """The end-of-sequence ids the model's ``generation_config.json`` lists beside the tokenizer's
+    own (a chat model's end-of-turn token, say); () when there is no such file or no other id.
+    As in vLLM, requests stop on them unless they ignore EOS."""
+    path = model_path / "generation_config.json"
+    if not path.is_file():
+        return ()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    return tuple(dict.fromkeys(i for i in ids if isinstance(i, int) and i != tokenizer_eos_token_id))

@@ -37,6 +37,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
+END_OF_TURN = "<end_of_turn>"  # ends a model turn: a chat answer stops on it
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 

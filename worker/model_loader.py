@@ -22,9 +22,18 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    PreTrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from strata.worker.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
+from strata.worker.gemma3 import END_OF_TURN as GEMMA3_END_OF_TURN
 from strata.worker.llama import AttentionBackend, LlamaForCausalLM
 from strata.worker.model_registry import model_class
 from strata.worker.parallel_state import TensorParallel
@@ -154,9 +163,25 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         )
         model.save_pretrained(out)
         tokenizer = AutoTokenizer.from_pretrained(**source)
-    if tokenizer.chat_template is None and model.config.model_type == "gemma3_text":
-        tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    if model.config.model_type == "gemma3_text":
+        _add_gemma3_chat_conventions(model, tokenizer, out)
     tokenizer.save_pretrained(out)
+
+
+def _add_gemma3_chat_conventions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
+    """What Gemma 3's own checkpoints carry and its GGUF files lose: the chat template (when the
+    file has none) and ``<end_of_turn>`` as a second EOS id in the generation config, so a chat
+    answer stops at the end of its turn (as with the HF checkpoint in vLLM and transformers)."""
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    end_of_turn = tokenizer.convert_tokens_to_ids(GEMMA3_END_OF_TURN)
+    if end_of_turn is None or end_of_turn == tokenizer.unk_token_id:
+        return
+    eos = model.generation_config.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if end_of_turn not in eos_ids:
+        model.generation_config.eos_token_id = [*eos_ids, end_of_turn]
+        model.generation_config.save_pretrained(out)
 
 
 @contextmanager

@@ -3,11 +3,12 @@ converted once, served by the engine with the tokens HF transformers generates f
 weights in float32: plain text (with the BOS its tokenizer adds), chat, and a prompt longer than
 its 512-token sliding window."""
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from strata import LLM, SamplingParams
 from strata.worker.model_loader import resolve_model_path
@@ -44,10 +45,25 @@ def test_converted_checkpoint_is_gemma3_text(model_dir: Path) -> None:
     assert config.layer_types.count("full_attention") == 3
 
 
-def test_greedy_tokens_equal_hf_generate(model_dir: Path, prompts: list[list[int]]) -> None:
-    with LLM("gemma3-270m", executor="uni", dtype="float32") as llm:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True), use_tqdm=False)
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def test_converted_generation_config_ends_at_end_of_turn(model_dir: Path) -> None:
+    end_of_turn = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<end_of_turn>")
+    assert GenerationConfig.from_pretrained(model_dir).eos_token_id == [1, end_of_turn]
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    with LLM("gemma3-270m", executor="uni", dtype="float32") as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def test_greedy_tokens_equal_hf_generate(llm: LLM, reference: PreTrainedModel, prompts: list[list[int]]) -> None:
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True), use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
         expected = hf_greedy(reference, prompt, NUM_TOKENS)  # may stop early, at EOS
         assert output.outputs[0].token_ids[: len(expected)] == expected
+
