@@ -27,7 +27,7 @@ from strata.launch.engine.core_client import EngineDeadError
 from strata.launch.server.metrics import ServerMetrics
 from strata.launch.server.structured import logit_bias_of, structured_outputs_of
 from strata.launch.server.tool_calls import ToolPlan, template_messages, tool_plan
-from strata.launch.server.tool_parsers import ParsedDelta, ToolCallParser, collect
+from strata.launch.server.tool_parsers import CallDelta, ParsedDelta, ToolCallParser, collect
 from strata.launch.server.protocol import (
     APIError,
     AssistantMessage,
@@ -359,7 +359,7 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
         parsed = ParsedDelta(content=delta.text) if parser is None else parser.feed(delta.text)
         if parser is not None and delta.finish_reason is not None:
             parsed.extend(parser.finish())
-        calls = self._allowed(job, parsed.tool_calls)
+        calls = _allowed_calls(job, parsed.tool_calls)
         if not (parsed.content or calls or delta.logprobs or delta.finish_reason):
             return None
         choice = ChatChunkChoice(
@@ -391,7 +391,7 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
             if parser is not None:
                 parsed = parser.feed(completion.text)
                 parsed.extend(parser.finish())
-                content, calls = collect(ParsedDelta(parsed.content, self._allowed(job, parsed.tool_calls)))
+                content, calls = collect(ParsedDelta(parsed.content, _allowed_calls(job, parsed.tool_calls)))
                 if calls:
                     message = AssistantMessage(
                         content=content if content.strip() else None,
@@ -420,13 +420,6 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
             job.parsers[index] = parser
         return job.parsers[index]
 
-    def _allowed(self, job: Job, calls: list) -> list:
-        """With ``parallel_tool_calls`` false, only the first call counts (for ``required`` the
-        grammar already allows one)."""
-        if job.tools is None or job.tools.parallel:
-            return calls
-        return [call for call in calls if call.index == 0]
-
     def _logprobs(self, entries: list[dict[int, float]], top: int) -> ChatLogprobs:
         content = []
         for entry in entries:
@@ -450,6 +443,14 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         return [prompt]
     return list(prompt)
+
+
+def _allowed_calls(job: Job, calls: list[CallDelta]) -> list[CallDelta]:
+    """With ``parallel_tool_calls`` false, only the first call counts (for ``required`` the
+    grammar already allows one)."""
+    if job.tools is None or job.tools.parallel:
+        return calls
+    return [call for call in calls if call.index == 0]
 
 
 def _finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:

@@ -26,7 +26,7 @@ _WHITESPACE = " \t\r\n"
 
 
 @dataclass
-class ToolCallDelta:
+class CallDelta:
     """A call's header (``id`` and ``name`` set, ``arguments`` empty) or a fragment of its
     arguments (``id`` and ``name`` None)."""
 
@@ -39,7 +39,7 @@ class ToolCallDelta:
 @dataclass
 class ParsedDelta:
     content: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    tool_calls: list[CallDelta] = field(default_factory=list)
 
     def extend(self, other: "ParsedDelta") -> None:
         self.content += other.content
@@ -101,7 +101,7 @@ class _CallObject:
         self.sent = 0  # characters of the arguments already sent
         self.complete = False
 
-    def advance(self, text: str) -> tuple[list[ToolCallDelta], int | None]:
+    def advance(self, text: str) -> tuple[list[CallDelta], int | None]:
         """The deltas the object's text so far allows, and where the object ends in ``text``
         (None while it is open). Raises ValueError if the text cannot be a call object."""
         members, end = _members(text)
@@ -111,7 +111,7 @@ class _CallObject:
             value = json.loads(text[name[0] : name[1]])
             if not isinstance(value, str):
                 raise ValueError("a tool call's name is not a string")
-            deltas.append(ToolCallDelta(self.index, id=new_call_id(), name=value))
+            deltas.append(CallDelta(self.index, id=new_call_id(), name=value))
             self.announced = True
         arguments = next((members[key] for key in self.argument_keys if key in members), None)
         if self.announced and arguments is not None:
@@ -120,13 +120,13 @@ class _CallObject:
                 raise ValueError("a tool call's arguments are not an object")
             fragment = text[start + self.sent : len(text) if stop is None else stop]
             if fragment:
-                deltas.append(ToolCallDelta(self.index, arguments=fragment))
+                deltas.append(CallDelta(self.index, arguments=fragment))
                 self.sent += len(fragment)
         if end is not None and not self.complete:
             if not self.announced:
                 raise ValueError("a tool call without a name")
             if arguments is None:
-                deltas.append(ToolCallDelta(self.index, arguments="{}"))
+                deltas.append(CallDelta(self.index, arguments="{}"))
             self.complete = True
         return deltas, end
 
@@ -243,10 +243,10 @@ class NamedCallParser(ToolCallParser):
     def feed(self, text: str) -> ParsedDelta:
         parsed = ParsedDelta()
         if not self.calls_started:
-            parsed.tool_calls.append(ToolCallDelta(0, id=new_call_id(), name=self._name))
+            parsed.tool_calls.append(CallDelta(0, id=new_call_id(), name=self._name))
             self.calls_started = 1
         if text:
-            parsed.tool_calls.append(ToolCallDelta(0, arguments=text))
+            parsed.tool_calls.append(CallDelta(0, arguments=text))
         return parsed
 
     def finish(self) -> ParsedDelta:
