@@ -504,10 +504,12 @@ class _EngineRun:
     async def close(self) -> None:
         for pump in self._pumps:
             pump.cancel()  # closes its engine stream, which aborts the request if still running
-        await asyncio.gather(*self._pumps, return_exceptions=True)
+        # Observed before the first await: a request whose client left is closed from a task
+        # being cancelled, where any await may be the last (an unfinished choice counts as abort).
         for output in self._outputs:
             if output is not None:
                 self._metrics.observe(output)
+        await asyncio.gather(*self._pumps, return_exceptions=True)
 
     async def _pump(self, prompt_index: int) -> None:
         job, request_id = self._job, self._request_ids[prompt_index]

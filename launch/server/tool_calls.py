@@ -15,6 +15,7 @@ preamble describing the tools and the call format, the history's calls written i
 and the tool results as user messages, so the model reads them as text.
 """
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from strata.launch.server.tool_parsers import (
 )
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+SCHEMA_CHECK_CACHE_SIZE = 1024
 
 
 @dataclass(frozen=True)
@@ -134,13 +136,19 @@ def _check_tools(tools: tuple[Tool, ...]) -> None:
             continue
         if parameters.get("type", "object") != "object":
             raise APIError(400, f"{field}.parameters must be a schema of type object", param="tools")
-        text = schema_text(parameters, f"{field}.parameters")
-        try:
-            error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(text))
-        except (ValueError, TypeError) as raised:
-            error = str(raised)
+        error = _schema_error(schema_text(parameters, f"{field}.parameters"))
         if error:
             raise APIError(400, f"{field}.parameters is not a usable JSON schema: {error}", param="tools")
+
+
+@functools.lru_cache(maxsize=SCHEMA_CHECK_CACHE_SIZE)
+def _schema_error(text: str) -> str:
+    """Why the grammar engine cannot compile the JSON schema ``text`` ("" if it can). Cached:
+    clients send the same tools with every request, and checking one takes about a millisecond."""
+    try:
+        return llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(text))
+    except (ValueError, TypeError) as error:
+        return str(error)
 
 
 def _check_history(messages: list[ChatMessage]) -> None:

@@ -166,16 +166,38 @@ def test_bad_tools_are_a_400_naming_the_problem(client, model, extra, message):
     assert message in str(raised.value)
 
 
-def test_a_template_without_tools_gets_a_preamble_and_the_history_as_text():
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(None))
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"timezone": "UTC"}'}}
-    body = ChatCompletionRequest.model_validate({
-        "model": "m", "tools": TOOLS,
-        "messages": [*ASK, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}],
-    })
+HISTORY = [
+    *ASK,
+    {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"timezone": "UTC"}'}},
+    ]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model_path(None))
+
+
+def test_a_template_without_tools_gets_a_preamble_and_the_history_as_text(tokenizer):
+    body = ChatCompletionRequest.model_validate({"model": "m", "tools": TOOLS, "messages": HISTORY})
     messages, tools = template_messages(body.messages, tool_plan(body, "hermes"), tokenizer)
     assert tools is None  # SmolLM2's template ignores tools
     assert [message["role"] for message in messages] == ["system", "user", "assistant", "user"]
     assert '"name": "get_weather"' in messages[0]["content"] and "<tool_call>" in messages[0]["content"]
     assert messages[2]["content"] == '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>'
     assert messages[3]["content"] == "<tool_response>\n12:00\n</tool_response>"
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_calls_arguments_as_objects():
+    knows_tools = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    knows_tools.chat_template = (
+        "{{ tools | map(attribute='function.name') | join(',') }}|{% for m in messages %}"
+        "{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}{{ c.function.arguments.timezone }}{% endfor %}"
+        "{{ m.tool_call_id or '' }};{% endfor %}"
+    )
+    body = ChatCompletionRequest.model_validate({"model": "m", "tools": TOOLS, "messages": HISTORY})
+    messages, tools = template_messages(body.messages, tool_plan(body, "hermes"), knows_tools)
+    rendered = knows_tools.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert rendered == "get_weather,get_time|user:What is the weather in Paris?;assistant:UTC;tool:12:00call_1;"
