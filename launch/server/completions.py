@@ -1,9 +1,11 @@
 """OpenAI completions and chat completions over the ``AsyncEngine``.
 
-One path serves both endpoints, streaming or not: a request becomes a ``Job`` (prompt token
-ids and ``SamplingParams``), and the engine's deltas become SSE chunks as they arrive, or one
-response at the end. ``Completions`` and ``ChatCompletions`` supply only what differs: how the
-prompt is read and how text and logprobs are rendered.
+One path serves both endpoints, streaming or not: a request becomes a ``Job`` (the token ids
+of its prompts, one engine request each, and ``SamplingParams``), and the engine's deltas,
+merged and numbered as choices, become SSE chunks as they arrive, or one response at the end.
+``Completions`` and ``ChatCompletions`` supply only what differs: how prompts are read (chat:
+with its tools, ``launch/server/tool_calls.py``) and how text, logprobs and tool calls
+(``launch/server/tool_parsers.py``) are rendered.
 """
 
 import asyncio
