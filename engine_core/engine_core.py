@@ -167,6 +167,9 @@ class EngineCore:
             self._advance_matchers(outputs)
         if self._finished:
             outputs.finished[:0], self._finished = self._finished, []
+        if self.structured is not None and outputs.stats is not None:
+            outputs.stats.grammar_mask_seconds = self.structured.mask_seconds
+            outputs.stats.grammar_mask_steps = self.structured.mask_steps
         events = self.scheduler.take_kv_events()
         if self.event_publisher is not None:
             self.event_publisher.publish(events)

@@ -86,6 +86,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     offload_bytes_moved: int = 0
     offload_transfer_seconds: float = 0.0
     offload_cpu_usage: float = 0.0
+    grammar_mask_seconds: float = 0.0  # filling grammar masks, since start (set by the EngineCore)
+    grammar_mask_steps: int = 0  # steps with constrained rows, since start
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="out"):

@@ -25,6 +25,7 @@ from strata.launch.server import serve as server
 from strata.launch.engine_args import EngineArgs
 from strata.launch.llm import LLM
 from strata.launch.server.app import DEFAULT_MAX_REQUEST_BYTES, PREFIX_CACHE_ISOLATION, AppOptions
+from strata.launch.server.tool_parsers import TOOL_CALL_PARSERS
 
 USAGE_ERROR = 2
 
@@ -105,6 +106,7 @@ def _serve(args: argparse.Namespace) -> None:
             prefix_cache_isolation=args.prefix_cache_isolation,
             max_request_bytes=args.max_request_bytes,
             enable_debug_endpoints=args.enable_debug_endpoints,
+            tool_call_parser=args.tool_call_parser,
         )
         options = server.ServeOptions(args.host, args.port, args.shutdown_timeout, app)
         engine_args = EngineArgs.from_cli(args)
@@ -124,6 +126,7 @@ def _bench_serve(args: argparse.Namespace) -> None:
             workload=args.workload,
             tenants=args.tenants,
             system_prompt_words=args.system_prompt_words,
+            structured=args.structured,
         )
     result = bench_serve.run(load)
     print(json.dumps(result) if args.json else bench_serve.format_result(result))
@@ -214,6 +217,10 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (unset: its dir's)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on stop")
     parser.add_argument("--enable-debug-endpoints", action="store_true", help="serve GET /debug/state (engine state)")
+    parser.add_argument(
+        "--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
+        help="the model family's tool-call format, read from chat outputs under tool_choice auto",
+    )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_serve, parser=parser)
 
@@ -252,6 +259,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                        help="multi-tenant: long system prompts shared by many short conversations, interleaved")
     serve.add_argument("--tenants", type=int, default=8, help="multi-tenant: system prompts")
     serve.add_argument("--system-prompt-words", type=int, default=400, help="multi-tenant: words per system prompt")
+    serve.add_argument("--structured", default=None, choices=bench_serve.STRUCTURED,
+                       help="run the load twice, without and with a JSON schema on every request, and compare")
     serve.add_argument("--json", action="store_true", help="print one JSON object")
     serve.set_defaults(handler=_bench_serve, parser=serve)
 

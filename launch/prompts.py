@@ -16,10 +16,13 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=True)
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> list[int]:
+def encode_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], tools: list[dict] | None = None
+) -> list[int]:
     """The token ids of a conversation through the chat template, ready for the assistant's reply.
+    ``tools`` (OpenAI tool definitions) go to templates that render them.
 
     Raises ``jinja2.TemplateError`` if the template rejects the messages.
     """
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)

@@ -7,7 +7,12 @@ and the time to first token (TTFT), per output token after the first (TPOT) and 
 and from the server's ``/metrics`` the prompt tokens it prefilled and its prefix-cache hit
 rate over the run. ``workload="multi-tenant"``: ``tenants`` long system prompts, each
 opening the prompts of many short conversations, which arrive interleaved (each request's
-tenant drawn at random, seeded): the load a cache-aware router is for.
+tenant drawn at random, seeded): the load a cache-aware router is for. ``structured=
+"json-schema"``: the load runs twice on the same server, without and then with a JSON schema
+on every request (``guided_json``), each after one warm-up request of its kind (the first
+constrained request builds the grammar engine's tokenizer) and under its own ``cache_salt``
+(so the second run finds none of the first's prompts cached); the result adds their output
+tokens/s ratio and the EngineCore's grammar-mask time per constrained step (from ``/metrics``).
 Only loopback URLs are accepted: a load generator must not hit another machine by mistake.
 """
 
@@ -31,6 +36,25 @@ _WORDS = (
 ).split()
 PROMPT_WORDS = (24, 40)  # words per prompt, uniformly drawn
 WORKLOADS = ("random", "multi-tenant")
+STRUCTURED = ("json-schema",)
+# Records with free-text fields in an open-ended array: a small model keeps writing records
+# rather than closing the object, so constrained requests run about as long as the others.
+RECORDS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "records": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"id": {"type": "integer"}, "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+                "required": ["id", "name", "tags"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["records"],
+    "additionalProperties": False,
+}
 REQUEST_TIMEOUT_S = 600.0  # a request that takes longer counts as failed
 _MAX_REPORTED_ERRORS = 5
 
@@ -49,6 +73,7 @@ class Load:
     workload: str = "random"
     tenants: int = 8
     system_prompt_words: int = 400
+    structured: str | None = None
 
     def __post_init__(self) -> None:
         _check_loopback(self.url)
@@ -64,6 +89,8 @@ class Load:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         if self.tenants < 1 or self.system_prompt_words < 1:
             raise ValueError(f"tenants and system_prompt_words must be >= 1, got {self.tenants}, {self.system_prompt_words}")
+        if self.structured is not None and self.structured not in STRUCTURED:
+            raise ValueError(f"structured must be one of {', '.join(STRUCTURED)}, got {self.structured!r}")
 
 
 @dataclass
@@ -99,11 +126,21 @@ def _prompts(load: Load) -> list[str]:
 
 
 def run(load: Load) -> dict:
-    """Send the load and return the figures (see ``format_result``)."""
-    return asyncio.run(_run(load))
+    """Send the load and return the figures (see ``format_result``); with ``structured``, the
+    unconstrained run's figures with the constrained run's under ``"structured"``."""
+    if load.structured is None:
+        return asyncio.run(_run(load))
+    plain = asyncio.run(_run(load, {"cache_salt": "bench-unconstrained"}, warm_up=True))
+    constrained = asyncio.run(
+        _run(load, {"cache_salt": "bench-structured", "guided_json": RECORDS_SCHEMA}, warm_up=True)
+    )
+    plain["structured"] = constrained
+    plain["structured_output_tokens_per_s_ratio"] = constrained["output_tokens_per_s"] / plain["output_tokens_per_s"]
+    return plain
 
 
-async def _run(load: Load) -> dict:
+async def _run(load: Load, extra: dict | None = None, warm_up: bool = False) -> dict:
+    """One run of the load; ``extra``: request fields added to every request."""
     in_flight = load.max_concurrency or load.num_prompts
     limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
     arrivals = random.Random(load.seed)
@@ -111,12 +148,17 @@ async def _run(load: Load) -> dict:
         base_url=load.url, limits=limits, timeout=REQUEST_TIMEOUT_S, trust_env=False
     ) as client:
         model = await _model_name(client)
+        if warm_up:
+            warm_up_extra = {**(extra or {}), "cache_salt": "warm-up"}
+            sample = await _request(client, asyncio.Semaphore(1), model, "warm up", 1, warm_up_extra)
+            if sample.error is not None:
+                raise RuntimeError(f"the warm-up request failed: {sample.error}")
         before = await _cache_counters(client)
         gate = asyncio.Semaphore(in_flight)
         started = time.perf_counter()
         tasks = []
         for prompt in _prompts(load):
-            tasks.append(asyncio.create_task(_request(client, gate, model, prompt, load.max_tokens)))
+            tasks.append(asyncio.create_task(_request(client, gate, model, prompt, load.max_tokens, extra)))
             if math.isfinite(load.request_rate):
                 await asyncio.sleep(arrivals.expovariate(load.request_rate))
         samples = await asyncio.gather(*tasks)
@@ -127,6 +169,10 @@ async def _run(load: Load) -> dict:
     result["prefill_tokens"] = int(grown.get("strata_prompt_tokens_computed_total", 0))
     queries = grown.get("strata_prefix_cache_queries_total", 0.0)
     result["prefix_hit_rate"] = grown.get("strata_prefix_cache_hits_total", 0.0) / queries if queries else None
+    mask_steps = grown.get("strata_grammar_mask_steps_total", 0.0)
+    result["grammar_mask_steps"] = int(mask_steps)
+    mask_seconds = grown.get("strata_grammar_mask_seconds_total", 0.0)
+    result["grammar_mask_ms_per_step"] = mask_seconds / mask_steps * 1000 if mask_steps else None
     return result
 
 
@@ -143,7 +189,8 @@ async def _cache_counters(client: httpx.AsyncClient) -> dict[str, float]:
 
 
 _CACHE_COUNTERS = (
-    "strata_prompt_tokens_computed_total", "strata_prefix_cache_queries_total", "strata_prefix_cache_hits_total"
+    "strata_prompt_tokens_computed_total", "strata_prefix_cache_queries_total", "strata_prefix_cache_hits_total",
+    "strata_grammar_mask_seconds_total", "strata_grammar_mask_steps_total",
 )
 
 
@@ -154,11 +201,12 @@ async def _model_name(client: httpx.AsyncClient) -> str:
 
 
 async def _request(
-    client: httpx.AsyncClient, gate: asyncio.Semaphore, model: str, prompt: str, max_tokens: int
+    client: httpx.AsyncClient, gate: asyncio.Semaphore, model: str, prompt: str, max_tokens: int,
+    extra: dict | None,
 ) -> _Sample:
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True},
+        "stream": True, "stream_options": {"include_usage": True}, **(extra or {}),
     }
     async with gate:
         sample = _Sample()
@@ -235,6 +283,15 @@ def format_result(result: dict) -> str:
         + ("n/a" if hit_rate is None else f"{hit_rate:.1%}")
     )
     lines += [f"error: {error}" for error in result["errors"]]
+    if "structured" in result:
+        constrained = result["structured"]
+        mask = constrained["grammar_mask_ms_per_step"]
+        lines += [
+            "with a JSON schema on every request:",
+            format_result(constrained),
+            f"structured / unconstrained output tokens/s: {result['structured_output_tokens_per_s_ratio']:.1%}; "
+            f"grammar masks: " + ("n/a" if mask is None else f"{mask:.2f} ms per constrained step"),
+        ]
     return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ from strata.launch.server.protocol import (
     ModelList,
 )
 from strata.launch.server.completions import ChatCompletions, Completions, json_response
+from strata.launch.server.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +48,15 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 class AppOptions:
     """What the application needs besides the engine. ``served_model_name=None``: see
     ``default_model_name``. ``api_keys``: any of them opens ``/v1`` (none: it is open).
-    ``prefix_cache_isolation="per-api-key"`` salts every request's prefix cache with its key."""
+    ``prefix_cache_isolation="per-api-key"`` salts every request's prefix cache with its key.
+    ``tool_call_parser``: how chat outputs are read for tool calls under ``tool_choice: auto``."""
 
     served_model_name: str | None = None
     api_keys: tuple[str, ...] = ()
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     enable_debug_endpoints: bool = False
     prefix_cache_isolation: str = "none"
+    tool_call_parser: str = "hermes"
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
@@ -65,6 +68,10 @@ class AppOptions:
                 f"prefix_cache_isolation must be one of {', '.join(PREFIX_CACHE_ISOLATION)}, "
                 f"got {self.prefix_cache_isolation!r}"
             )
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
 
 
 def build_app(engine: AsyncEngine, options: AppOptions) -> FastAPI:
@@ -74,7 +81,7 @@ def build_app(engine: AsyncEngine, options: AppOptions) -> FastAPI:
     model_name = options.served_model_name or default_model_name(engine)
     metrics = ServerMetrics(engine.replica_stats)
     completions = Completions(engine, model_name, metrics)
-    chat = ChatCompletions(engine, model_name, metrics)
+    chat = ChatCompletions(engine, model_name, metrics, options.tool_call_parser)
     model_card = ModelCard(id=model_name, created=int(time.time()), max_model_len=engine.max_model_len)
 
     def require_api_key(request: Request) -> None:

@@ -1,17 +1,20 @@
 """OpenAI completions and chat completions over the ``AsyncEngine``.
 
-One path serves both endpoints, streaming or not: a request becomes a ``Job`` (prompt token
-ids and ``SamplingParams``), and the engine's deltas become SSE chunks as they arrive, or one
-response at the end. ``Completions`` and ``ChatCompletions`` supply only what differs: how the
-prompt is read and how text and logprobs are rendered.
+One path serves both endpoints, streaming or not: a request becomes a ``Job`` (the token ids
+of its prompts, one engine request each, and ``SamplingParams``), and the engine's deltas,
+merged and numbered as choices, become SSE chunks as they arrive, or one response at the end.
+``Completions`` and ``ChatCompletions`` supply only what differs: how prompts are read (chat:
+with its tools, ``launch/server/tool_calls.py``) and how text, logprobs and tool calls
+(``launch/server/tool_parsers.py``) are rendered.
 """
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Awaitable, Iterable
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import jinja2
@@ -20,11 +23,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from strata.engine_core.sampling_params import SamplingParams
+from strata.engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from strata.launch.async_engine import AsyncEngine
 from strata.launch.engine.core_client import EngineDeadError
 from strata.launch.server.metrics import ServerMetrics
 from strata.launch.server.structured import logit_bias_of, structured_outputs_of
+from strata.launch.server.tool_calls import ToolPlan, template_messages, tool_plan
+from strata.launch.server.tool_parsers import CallDelta, ParsedDelta, ToolCallParser, collect
 from strata.launch.server.protocol import (
     APIError,
     AssistantMessage,
@@ -35,13 +40,16 @@ from strata.launch.server.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
-    ChatMessage,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    FunctionCall,
+    FunctionCallDelta,
     GenerationRequest,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
@@ -63,16 +71,24 @@ T = TypeVar("T")
 
 @dataclass
 class Job:
-    """An OpenAI request translated for the engine."""
+    """An OpenAI request translated for the engine: one engine request per prompt, whose
+    choices are numbered prompt-major (choice ``p * n + i`` is prompt ``p``'s ``i``-th)."""
 
     request_id: str
     created: int
-    prompt_token_ids: list[int]
+    prompts: list[list[int]]  # token ids; several only for /v1/completions with a list
     params: SamplingParams
     stream: bool
     include_usage: bool
     cache_salt: str | None = None
     priority: int = 0
+    echo: list[str] | None = None  # each prompt's text, to put before its choices' text
+    tools: ToolPlan | None = None
+    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per streamed choice
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.params.n
 
 
 class OpenAIEndpoint(ABC, Generic[RequestT]):
@@ -93,10 +109,10 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
         run = _EngineRun(self.engine, self.metrics, job)
         if not job.stream:
             try:
-                output = await _unless_disconnected(request, run.collect())
+                choices = await _unless_disconnected(request, run.collect())
             finally:
                 await run.close()
-            return json_response(self.response(job, output))
+            return json_response(self.response(job, choices))
         try:
             await _unless_disconnected(request, run.start())
         except BaseException:
@@ -107,7 +123,8 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
     # ---- what subclasses supply ----
 
     @abstractmethod
-    def prompt_token_ids(self, body: RequestT) -> list[int]: ...
+    def _job(self, body: RequestT, tenant_salt: str | None) -> Job:
+        """The request for the engine (built with ``_new_job``), or an ``APIError``."""
 
     @abstractmethod
     def max_tokens(self, body: RequestT, room: int) -> int:
@@ -129,7 +146,9 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
     def usage_chunk(self, job: Job, usage: Usage) -> BaseModel: ...
 
     @abstractmethod
-    def response(self, job: Job, output: RequestOutput) -> BaseModel: ...
+    def response(self, job: Job, choices: list[CompletionOutput]) -> BaseModel:
+        """The whole response; ``choices`` are in choice order (their own ``index`` is within
+        their prompt)."""
 
     # ---- shared ----
 
@@ -140,38 +159,44 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
 
-    def _job(self, body: RequestT, tenant_salt: str | None) -> Job:
+    def _new_job(
+        self, body: RequestT, tenant_salt: str | None, prompts: list[list[int]],
+        constraint: StructuredOutputsParams | None, tools: ToolPlan | None = None,
+    ) -> Job:
         if body.model != self.model_name:
             raise APIError.model_not_found(body.model)
-        prompt = self.prompt_token_ids(body)
-        if not prompt:
+        if not all(prompts):
             raise APIError(400, "the prompt is empty", param=self.prompt_param)
+        longest = max(len(prompt) for prompt in prompts)
         max_model_len = self.engine.max_model_len
-        room = max_model_len - len(prompt)
+        room = max_model_len - longest
         if room < 1:
             raise APIError(
-                400, f"the prompt has {len(prompt)} tokens, which leaves no room to generate within "
+                400, f"the prompt has {longest} tokens, which leaves no room to generate within "
                 f"max_model_len ({max_model_len})", param=self.prompt_param,
             )
         max_tokens = self.max_tokens(body, room)
         if max_tokens > room:
             raise APIError(
-                400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceed max_model_len "
+                400, f"the prompt ({longest} tokens) plus max_tokens ({max_tokens}) exceed max_model_len "
                 f"({max_model_len})", param="max_tokens",
             )
         stream = bool(body.stream)
         return Job(
             request_id=f"{self.id_prefix}-{uuid.uuid4().hex}",
             created=int(time.time()),
-            prompt_token_ids=prompt,
-            params=self._sampling_params(body, max_tokens),
+            prompts=prompts,
+            params=self._sampling_params(body, max_tokens, constraint),
             stream=stream,
             include_usage=stream and body.stream_options is not None and bool(body.stream_options.include_usage),
             cache_salt=_cache_salt(tenant_salt, body.cache_salt),
             priority=body.priority or 0,
+            tools=tools,
         )
 
-    def _sampling_params(self, body: RequestT, max_tokens: int) -> SamplingParams:
+    def _sampling_params(
+        self, body: RequestT, max_tokens: int, constraint: StructuredOutputsParams | None
+    ) -> SamplingParams:
         given = {name: value for name in SAMPLING_FIELDS if (value := getattr(body, name)) is not None}
         # top-k over at least the whole vocabulary is no top-k (and the sampler's topk would fail).
         if given.get("top_k", -1) >= len(self.engine.tokenizer):
@@ -181,7 +206,7 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
                 **given,
                 max_tokens=max_tokens,
                 logprobs=self.num_logprobs(body),
-                structured_outputs=structured_outputs_of(body),
+                structured_outputs=constraint,
                 logit_bias=logit_bias_of(body),
             )
         except ValueError as error:
@@ -211,13 +236,22 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
     id_prefix = "cmpl"
     prompt_param = "prompt"
 
-    def prompt_token_ids(self, body: CompletionRequest) -> list[int]:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) > 1:
-                raise APIError(400, "batches of prompts are not supported: send one request per prompt", param="prompt")
-            prompt = prompt[0]
-        return self.engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+    def _job(self, body: CompletionRequest, tenant_salt: str | None) -> Job:
+        given = _prompts(body.prompt)
+        if not given:
+            raise APIError(400, "the prompt list is empty", param="prompt")
+        if body.echo and body.logprobs is not None:
+            raise APIError(
+                400, "echo with logprobs is not supported: the engine does not compute the prompt's logprobs",
+                param="echo",
+            )
+        prompts = [self.engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt) for prompt in given]
+        job = self._new_job(body, tenant_salt, prompts, structured_outputs_of(body))
+        if body.echo:
+            job.echo = [
+                prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt) for prompt in given
+            ]
+        return job
 
     def max_tokens(self, body: CompletionRequest, room: int) -> int:
         for value in (body.max_completion_tokens, body.max_tokens):
@@ -227,6 +261,12 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
 
     def num_logprobs(self, body: CompletionRequest) -> int | None:
         return body.logprobs
+
+    def opening_chunks(self, job: Job) -> Iterable[CompletionResponse]:
+        # Echo streams each choice's prompt first, as OpenAI does.
+        for index in range(job.num_choices) if job.echo is not None else ():
+            choice = CompletionChoice(index=index, text=job.echo[index // job.params.n])
+            yield CompletionResponse(**self.envelope(job), choices=[choice])
 
     def chunk(self, job: Job, delta: CompletionDelta, completion: CompletionOutput) -> CompletionResponse | None:
         if not (delta.text or delta.logprobs or delta.finish_reason):
@@ -242,17 +282,19 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
     def usage_chunk(self, job: Job, usage: Usage) -> CompletionResponse:
         return CompletionResponse(**self.envelope(job), choices=[], usage=usage)
 
-    def response(self, job: Job, output: RequestOutput) -> CompletionResponse:
-        choices = [
-            CompletionChoice(
-                index=completion.index,
-                text=completion.text,
-                logprobs=None if completion.logprobs is None else self._logprobs(completion.logprobs, text_offset=0),
-                finish_reason=completion.finish_reason,
+    def response(self, job: Job, choices: list[CompletionOutput]) -> CompletionResponse:
+        rendered = []
+        for index, completion in enumerate(choices):
+            echoed = "" if job.echo is None else job.echo[index // job.params.n]
+            rendered.append(
+                CompletionChoice(
+                    index=index,
+                    text=echoed + completion.text,
+                    logprobs=None if completion.logprobs is None else self._logprobs(completion.logprobs, 0),
+                    finish_reason=completion.finish_reason,
+                )
             )
-            for completion in output.outputs
-        ]
-        return CompletionResponse(**self.envelope(job), choices=choices, usage=_usage(job, output))
+        return CompletionResponse(**self.envelope(job), choices=rendered, usage=_usage(job, choices))
 
     def _logprobs(self, entries: list[dict[int, float]], text_offset: int) -> CompletionLogprobs:
         """OpenAI's legacy shape: per token its text, logprob, start offset in the completion's
@@ -270,14 +312,30 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
 
 
 class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
+    """Chat completions, with tool calls read out of the output by ``tool_call_parser``
+    (``launch/server/tool_parsers.py``) when the request's tools allow them."""
+
     id_prefix = "chatcmpl"
     prompt_param = "messages"
 
-    def prompt_token_ids(self, body: ChatCompletionRequest) -> list[int]:
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, tool_call_parser: str) -> None:
+        super().__init__(engine, model_name, metrics)
+        self.tool_call_parser = tool_call_parser
+
+    def _job(self, body: ChatCompletionRequest, tenant_salt: str | None) -> Job:
+        tools = tool_plan(body, self.tool_call_parser)
+        messages, tool_definitions = template_messages(body.messages, tools, self.engine.tokenizer)
         try:
-            return encode_chat(self.engine.tokenizer, [_template_message(message) for message in body.messages])
+            prompt = encode_chat(self.engine.tokenizer, messages, tool_definitions)
         except jinja2.TemplateError as error:  # e.g. a template that demands alternating roles
             raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
+        constraint, tool_constraint = structured_outputs_of(body), tools.constraint()
+        if constraint is not None and tool_constraint is not None:
+            raise APIError(
+                400, f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'} "
+                "already constrains the output: drop response_format and guided_*", param="tool_choice",
+            )
+        return self._new_job(body, tenant_salt, [prompt], constraint or tool_constraint, tools)
 
     def max_tokens(self, body: ChatCompletionRequest, room: int) -> int:
         for value in (body.max_completion_tokens, body.max_tokens):
@@ -299,31 +357,70 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
             yield ChatCompletionChunk(**self.envelope(job), choices=[choice])
 
     def chunk(self, job: Job, delta: CompletionDelta, completion: CompletionOutput) -> ChatCompletionChunk | None:
-        if not (delta.text or delta.logprobs or delta.finish_reason):
+        parser = self._parser(job, delta.index)
+        parsed = ParsedDelta(content=delta.text) if parser is None else parser.feed(delta.text)
+        if parser is not None and delta.finish_reason is not None:
+            parsed.extend(parser.finish())
+        calls = _allowed_calls(job, parsed.tool_calls)
+        if not (parsed.content or calls or delta.logprobs or delta.finish_reason):
             return None
         choice = ChatChunkChoice(
             index=delta.index,
-            delta=ChatDelta(content=delta.text or None),
+            delta=ChatDelta(
+                content=parsed.content or None,
+                tool_calls=[
+                    ToolCallDelta(
+                        index=call.index, id=call.id, type=None if call.id is None else "function",
+                        function=FunctionCallDelta(name=call.name, arguments=call.arguments),
+                    )
+                    for call in calls
+                ] or None,
+            ),
             logprobs=None if delta.logprobs is None else self._logprobs(delta.logprobs, job.params.logprobs),
-            finish_reason=delta.finish_reason,
+            finish_reason=_finish_reason(delta.finish_reason, parser),
         )
         return ChatCompletionChunk(**self.envelope(job), choices=[choice])
 
     def usage_chunk(self, job: Job, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(**self.envelope(job), choices=[], usage=usage)
 
-    def response(self, job: Job, output: RequestOutput) -> ChatCompletionResponse:
+    def response(self, job: Job, choices: list[CompletionOutput]) -> ChatCompletionResponse:
         top = job.params.logprobs
-        choices = [
-            ChatChoice(
-                index=completion.index,
-                message=AssistantMessage(content=completion.text),
-                logprobs=None if completion.logprobs is None else self._logprobs(completion.logprobs, top),
-                finish_reason=completion.finish_reason,
+        rendered = []
+        for completion in choices:
+            parser = None if job.tools is None else job.tools.parser()
+            message = AssistantMessage(content=completion.text)
+            if parser is not None:
+                parsed = parser.feed(completion.text)
+                parsed.extend(parser.finish())
+                content, calls = collect(ParsedDelta(parsed.content, _allowed_calls(job, parsed.tool_calls)))
+                if calls:
+                    message = AssistantMessage(
+                        content=content if content.strip() else None,
+                        tool_calls=[
+                            ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                            for call in calls
+                        ],
+                    )
+            rendered.append(
+                ChatChoice(
+                    index=completion.index,
+                    message=message,
+                    logprobs=None if completion.logprobs is None else self._logprobs(completion.logprobs, top),
+                    finish_reason=_finish_reason(completion.finish_reason, parser),
+                )
             )
-            for completion in output.outputs
-        ]
-        return ChatCompletionResponse(**self.envelope(job), choices=choices, usage=_usage(job, output))
+        return ChatCompletionResponse(**self.envelope(job), choices=rendered, usage=_usage(job, choices))
+
+    def _parser(self, job: Job, index: int) -> ToolCallParser | None:
+        if job.tools is None:
+            return None
+        if index not in job.parsers:
+            parser = job.tools.parser()
+            if parser is None:
+                return None
+            job.parsers[index] = parser
+        return job.parsers[index]
 
     def _logprobs(self, entries: list[dict[int, float]], top: int) -> ChatLogprobs:
         content = []
@@ -343,71 +440,110 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
         return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
 
 
-def _template_message(message: ChatMessage) -> dict[str, str]:
-    content = message.content
-    if isinstance(content, list):
-        content = "".join(part.text for part in content)
-    # "developer" is OpenAI's new name for "system"; chat templates know only the latter.
-    role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content or ""}
+def _prompts(prompt: str | list) -> list[str | list[int]]:
+    """The request's prompts: one text or token-id list, or a list of them."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
+
+
+def _allowed_calls(job: Job, calls: list[CallDelta]) -> list[CallDelta]:
+    """With ``parallel_tool_calls`` false, only the first call counts (for ``required`` the
+    grammar already allows one)."""
+    if job.tools is None or job.tools.parallel:
+        return calls
+    return [call for call in calls if call.index == 0]
+
+
+def _finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
+    if reason == "stop" and parser is not None and parser.calls_started:
+        return "tool_calls"
+    return reason
 
 
 class _EngineRun:
-    """One job in the engine: its deltas, with failures turned into ``APIError``, and its
-    cumulative output, which the metrics observe when the run is closed."""
+    """One job in the engine, one engine request per prompt: their deltas merged, renumbered
+    as choices, with failures turned into ``APIError``; their cumulative outputs, which the
+    metrics observe when the run is closed."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, job: Job) -> None:
         self._engine = engine
         self._metrics = metrics
         self._job = job
-        self._deltas = engine.generate(
-            job.prompt_token_ids, job.params, job.request_id, priority=job.priority, cache_salt=job.cache_salt
-        )
+        several = len(job.prompts) > 1
+        self._request_ids = [f"{job.request_id}-{p}" if several else job.request_id for p in range(len(job.prompts))]
+        self._outputs: list[RequestOutput | None] = [None] * len(job.prompts)
+        self._arrivals: asyncio.Queue[tuple[int, CompletionDelta | Exception | None]] = asyncio.Queue()
+        self._pumps = [asyncio.ensure_future(self._pump(p)) for p in range(len(job.prompts))]
+        self._streaming = len(job.prompts)
         self._first: CompletionDelta | None = None
-        self._output: RequestOutput | None = None
 
     async def start(self) -> None:
         """Wait for the first delta. A stream does this before it answers, so that what the
         engine rejects at once (and a dead engine) still gets an HTTP error status."""
         self._first = await self._next()
 
-    async def deltas(self) -> AsyncIterator[CompletionDelta]:
+    async def deltas(self) -> AsyncGenerator[CompletionDelta, None]:
+        """The deltas, with ``index`` the choice's."""
         if self._first is not None:
             yield self._first
         while (delta := await self._next()) is not None:
             yield delta
 
-    async def collect(self) -> RequestOutput:
+    async def collect(self) -> list[CompletionOutput]:
         async for _ in self.deltas():
             pass
-        assert self._output is not None  # a request yields at least its finishing delta
-        return self._output
+        return [self.completion(index) for index in range(self._job.num_choices)]
 
     def completion(self, index: int) -> CompletionOutput:
-        assert self._output is not None
-        return self._output.outputs[index]
+        output = self._outputs[index // self._job.params.n]
+        assert output is not None  # a request yields at least its finishing delta
+        return output.outputs[index % self._job.params.n]
 
     def usage(self) -> Usage:
-        assert self._output is not None
-        return _usage(self._job, self._output)
+        return _usage(self._job, [self.completion(index) for index in range(self._job.num_choices)])
 
     async def close(self) -> None:
-        await self._deltas.aclose()  # aborts the request in the engine if it is still running
-        if self._output is not None:
-            self._metrics.observe(self._output)
+        for pump in self._pumps:
+            pump.cancel()  # closes its engine stream, which aborts the request if still running
+        # Observed before the first await: a request whose client left is closed from a task
+        # being cancelled, where any await may be the last (an unfinished choice counts as abort).
+        for output in self._outputs:
+            if output is not None:
+                self._metrics.observe(output)
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
+    async def _pump(self, prompt_index: int) -> None:
+        job, request_id = self._job, self._request_ids[prompt_index]
+        deltas = self._engine.generate(
+            job.prompts[prompt_index], job.params, request_id, priority=job.priority, cache_salt=job.cache_salt
+        )
+        try:
+            async for delta in deltas:
+                # The engine drops a request's output once its stream ends: keep a reference.
+                self._outputs[prompt_index] = self._outputs[prompt_index] or self._engine.output_of(request_id)
+                self._arrivals.put_nowait((prompt_index, delta))
+        except Exception as error:  # handed to the reader, which raises it
+            self._arrivals.put_nowait((prompt_index, error))
+        else:
+            self._arrivals.put_nowait((prompt_index, None))
+        finally:
+            await deltas.aclose()
 
     async def _next(self) -> CompletionDelta | None:
-        try:
-            delta = await anext(self._deltas, None)
-        except EngineDeadError as error:
-            raise APIError.unavailable(str(error)) from None
-        if delta is None:
-            return None
-        # The engine drops a request's output once its stream ends: keep a reference.
-        self._output = self._output or self._engine.output_of(self._job.request_id)
-        if delta.error is not None:
-            raise await self._engine_error(delta.error)
-        return delta
+        while self._streaming:
+            prompt_index, item = await self._arrivals.get()
+            if item is None:
+                self._streaming -= 1
+                continue
+            if isinstance(item, EngineDeadError):
+                raise APIError.unavailable(str(item))
+            if isinstance(item, Exception):
+                raise item
+            if item.error is not None:
+                raise await self._engine_error(item.error)
+            return dataclasses.replace(item, index=prompt_index * self._job.params.n + item.index)
+        return None
 
     async def _engine_error(self, message: str) -> APIError:
         """The engine failed the request: the request's fault (400) if the engine is still
@@ -465,9 +601,9 @@ def _cache_salt(tenant_salt: str | None, request_salt: str | None) -> str | None
     return tenant_salt if request_salt is None else f"{tenant_salt}/{request_salt}"
 
 
-def _usage(job: Job, output: RequestOutput) -> Usage:
-    completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
-    prompt_tokens = len(job.prompt_token_ids)
+def _usage(job: Job, choices: list[CompletionOutput]) -> Usage:
+    completion_tokens = sum(len(completion.token_ids) for completion in choices)
+    prompt_tokens = sum(len(prompt) for prompt in job.prompts)
     return Usage(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
     )

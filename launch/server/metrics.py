@@ -119,6 +119,14 @@ class _SchedulerStatsCollector(Collector):
         yield family(
             gauge, "strata_offload_cpu_usage_ratio", "Fraction of CPU-tier blocks in use.", lambda s: s.offload_cpu_usage
         )
+        yield family(
+            counter, "strata_grammar_mask_seconds", "Time the EngineCore spent filling grammar masks.",
+            lambda s: s.grammar_mask_seconds,
+        )
+        yield family(
+            counter, "strata_grammar_mask_steps", "Steps that filled grammar masks (steps with constrained rows).",
+            lambda s: s.grammar_mask_steps,
+        )
 
 
 def _field(name: str) -> Callable[[SchedulerStats], float]:

@@ -16,6 +16,8 @@ MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MAX_CACHE_SALT_CHARS = 256
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_TOOLS = 128  # OpenAI's limit on tools per request
+MAX_PROMPTS = 128  # prompts in one /v1/completions request
 
 # Token ids travel as int32 to the engine; the engine checks them against the vocabulary.
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -81,11 +83,14 @@ class GenerationRequest(_Strict):
 
 
 class CompletionRequest(GenerationRequest):
-    """``POST /v1/completions``. A prompt is text or token ids; a list holding one prompt
-    is accepted too (batches of several prompts are not supported)."""
+    """``POST /v1/completions``. A prompt is text or token ids, or a list of such prompts
+    (each gets ``n`` choices). ``echo`` puts the prompt's text before each choice's."""
 
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    prompt: str | list[TokenId] | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | Annotated[
+        list[list[TokenId]], Field(max_length=MAX_PROMPTS)
+    ]
     logprobs: Annotated[int, Field(le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = None
 
 
 class TextPart(_Strict):
@@ -95,15 +100,58 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(BaseModel):
-    """One message of the conversation. Extra fields are ignored, not rejected: clients
-    append the assistant messages they received, which carry fields such as ``refusal``."""
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text of an object
 
     model_config = ConfigDict(strict=True)
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made, in a response or in the history a client sends back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    model_config = ConfigDict(strict=True)
+
+
+class ChatMessage(BaseModel):
+    """One message of the conversation. Extra fields are ignored, not rejected: clients
+    append the assistant messages they received, which carry fields such as ``refusal``.
+    ``tool_calls`` belong to assistant messages, ``tool_call_id`` to tool messages."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    model_config = ConfigDict(strict=True)
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming the one function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -112,6 +160,9 @@ class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -170,7 +221,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -191,9 +243,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCallDelta(BaseModel):
+    """A call's first chunk carries its id, type and name; later ones, arguments text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -23,9 +23,9 @@ def structured_outputs_of(body: GenerationRequest) -> StructuredOutputsParams | 
         elif response_format.json_schema is None or response_format.json_schema.schema_ is None:
             raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
         else:
-            given["response_format"] = {"json": _schema_text(response_format.json_schema.schema_, "response_format")}
+            given["response_format"] = {"json": schema_text(response_format.json_schema.schema_, "response_format")}
     if body.guided_json is not None:
-        given["guided_json"] = {"json": _schema_text(body.guided_json, "guided_json")}
+        given["guided_json"] = {"json": schema_text(body.guided_json, "guided_json")}
     if body.guided_regex is not None:
         given["guided_regex"] = {"regex": body.guided_regex}
     if body.guided_choice is not None:
@@ -55,7 +55,8 @@ def logit_bias_of(body: GenerationRequest) -> dict[int, float] | None:
     return bias
 
 
-def _schema_text(schema: dict, field: str) -> str:
+def schema_text(schema: dict, field: str) -> str:
+    """The schema as JSON text; a 400 naming ``field`` if it nests too deep or is too long."""
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         raise APIError(400, f"{field}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param=field)
     text = json.dumps(schema)

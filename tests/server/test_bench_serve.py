@@ -30,3 +30,8 @@ def test_urls_off_this_machine_are_refused(url):
 def test_non_positive_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         Load(**{field: value})
+
+
+def test_an_unknown_structured_load_is_refused():
+    with pytest.raises(ValueError, match="structured must be one of json-schema"):
+        Load(structured="xml")

@@ -109,6 +109,48 @@ def test_n_2_returns_both_choices_each_with_max_tokens(client, model, stream):
     assert usage.completion_tokens == 12
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_list_of_prompts_with_n_2_numbers_choices_prompt_major(client, model, stream):
+    prompts = [PROMPT, "My favourite colour is", "Once upon a time"]
+    seeded = {"max_tokens": 5, "temperature": 1.0, "seed": 11, "extra_body": {"ignore_eos": True}}
+    response = client.completions.create(
+        model=model, prompt=prompts, n=2, stream=stream, stream_options={"include_usage": True} if stream else None,
+        **seeded,
+    )
+    if stream:
+        chunks = list(response)
+        texts, _ = stream_text(chunks)
+        usage = chunks[-1].usage
+    else:
+        texts = {choice.index: choice.text for choice in response.choices}
+        usage = response.usage
+    assert set(texts) == set(range(6))
+    for number, prompt in enumerate(prompts):  # choice p * n + i is prompt p's i-th, seeded alike
+        alone = client.completions.create(model=model, prompt=prompt, n=2, **seeded)
+        assert [texts[2 * number], texts[2 * number + 1]] == [choice.text for choice in alone.choices]
+    assert usage.completion_tokens == 30
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_puts_the_prompt_before_each_choice(client, model, stream):
+    response = client.completions.create(
+        model=model, prompt=[PROMPT, "Once upon"], max_tokens=4, temperature=0, echo=True, stream=stream,
+    )
+    texts = stream_text(response)[0] if stream else {choice.index: choice.text for choice in response.choices}
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+    assert texts[0] == PROMPT + plain and texts[1].startswith("Once upon") and len(texts[1]) > len("Once upon")
+
+
+def test_echo_of_token_ids_is_their_text(client, model):
+    response = client.completions.create(model=model, prompt=[504, 3458], max_tokens=2, temperature=0, echo=True)
+    assert response.choices[0].text.startswith(AutoTokenizer.from_pretrained(resolve_model_path(None)).decode([504, 3458]))
+
+
+def test_echo_with_logprobs_is_refused(client, model):
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs is not supported"):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
+
+
 def test_max_completion_tokens_bounds_a_chat_reply(client, model):
     response = client.chat.completions.create(
         model=model, messages=CHAT, max_completion_tokens=3, extra_body={"ignore_eos": True}

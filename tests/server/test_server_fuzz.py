@@ -17,6 +17,8 @@ MAX_MODEL_LEN = 512
 VOCAB_SIZE = 49152
 COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # ---- JSON values, and values of the wrong type or out of range for a field ----
@@ -101,11 +103,12 @@ COMPLETION_BAD_VALUES = {
     "prompt": st.sampled_from(["", [], [""], [[]]])  # empty
     | json_values.filter(lambda v: not isinstance(v, str | list))
     | st.lists(st.integers(max_value=-1) | st.integers(min_value=VOCAB_SIZE), min_size=1, max_size=4)
-    | st.lists(st.text(), min_size=2, max_size=3)  # batches are not supported
+    | st.just(["a"] * 129) | st.just(["a", ""])  # too many prompts; an empty one
     | st.lists(st.floats(allow_nan=False) | st.booleans() | st.dictionaries(st.text(), scalars), min_size=1),
     "logprobs": not_an_int | ints_outside(0, 20),
+    "echo": not_a_bool,
 }
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 bad_content = not_a_string.filter(lambda v: not isinstance(v, list))
 bad_messages = (
     st.just([])
@@ -115,6 +118,8 @@ bad_messages = (
         | st.fixed_dictionaries({"role": st.just("user"), "content": bad_content})
         | st.fixed_dictionaries({"content": st.text()})  # no role
         | st.fixed_dictionaries({"role": st.just("user"), "content": st.just([{"type": "image_url", "url": "x"}])})
+        | st.fixed_dictionaries({"role": st.just("tool"), "content": st.text()})  # answers no call
+        | st.fixed_dictionaries({"role": st.just("assistant"), "tool_calls": json_values.filter(lambda v: v is not None)})
         | not_a_string.filter(lambda v: not isinstance(v, dict)),
         min_size=1, max_size=3,
     )
@@ -125,6 +130,12 @@ CHAT_BAD_VALUES = {
     "max_completion_tokens": not_an_int | ints_outside(1, MAX_MODEL_LEN - 1),
     "logprobs": not_a_bool,
     "top_logprobs": not_an_int | ints_outside(0, 20),
+    # Random keys are at most 6 characters: never a tool's "function".
+    "tools": json_values.filter(lambda v: v is not None and not isinstance(v, list))
+    | st.lists(json_values, min_size=1, max_size=3) | st.just([TOOL] * 129),
+    "tool_choice": st.text().filter(lambda t: t != "none") | st.just({"type": "function", "function": {"name": "nope"}})
+    | json_values.filter(lambda v: v is not None and not isinstance(v, str)),
+    "parallel_tool_calls": not_a_bool,
 }
 ENDPOINTS = {"/v1/completions": (COMPLETION, COMPLETION_BAD_VALUES), "/v1/chat/completions": (CHAT, CHAT_BAD_VALUES)}
 REQUIRED = {"/v1/completions": ["model", "prompt"], "/v1/chat/completions": ["model", "messages"]}
@@ -237,7 +248,8 @@ def test_any_json_value_as_a_body_is_a_4xx(http, value):
         (b"{not json", "not valid JSON"),
         (b'{"model": "fuzz-model", "prompt": "caf\xe9"}', "not valid UTF-8"),
         (json.dumps({**COMPLETION, "max_tokens": "5"}).encode(), "max_tokens: Input should be a valid integer"),
-        (json.dumps({**COMPLETION, "echo": True}).encode(), "echo: Extra inputs are not permitted"),
+        (json.dumps({**COMPLETION, "echo": True, "logprobs": 1}).encode(), "echo with logprobs is not supported"),
+        (json.dumps({**COMPLETION, "prompt": ["a"] * 129}).encode(), "prompt"),
         (json.dumps({**COMPLETION, "temperature": -1}).encode(), "temperature must be >= 0"),
         (json.dumps({**COMPLETION, "prompt": ""}).encode(), "the prompt is empty"),
         (json.dumps({**COMPLETION, "prompt": "Hi " * 600}).encode(), "no room to generate"),
@@ -252,6 +264,41 @@ def test_each_kind_of_bad_body_gets_its_own_message(http, body, message):
     response = http.post("/v1/completions", content=body)
     assert_openai_error(response, 400)
     assert message in response.json()["error"]["message"]
+
+
+def chat_with(**fields: object) -> bytes:
+    return json.dumps({**CHAT, "tools": [TOOL], **fields}).encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (chat_with(tool_choice={"type": "function", "function": {"name": "fly"}}), "'fly', which is not among the tools"),
+        (chat_with(tool_choice="required", tools=None), "needs tools"),
+        (chat_with(tools=[{"type": "web_search", "function": TOOL["function"]}]), "tools.0.type"),
+        (chat_with(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]), "of type object"),
+        (chat_with(tools=[{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/nowhere"}}}]), "tools[0].function.parameters"),
+        (chat_with(tools=[TOOL] * 129), "tools"),  # more than OpenAI's 128
+        (chat_with(tools=[TOOL, TOOL]), "defined twice"),
+        (chat_with(messages=[{"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "lookup", "arguments": "{oops"}}]}]),
+         "tool_calls[0].function.arguments is not a JSON object"),
+        (chat_with(messages=[{"role": "tool", "tool_call_id": "call_9", "content": "1"}]), "answers no earlier assistant tool call"),
+        (chat_with(messages=[{"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": "1"}]), "needs tool_call_id"),
+        (chat_with(messages=[{"role": "user", "content": "a", "tool_calls": [CALL]}]), "only assistant messages carry tool_calls"),
+        (chat_with(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]), "function"),
+    ],
+)
+def test_each_kind_of_bad_tool_request_gets_its_own_message(http, body, message):
+    response = http.post("/v1/chat/completions", content=body)
+    assert_openai_error(response, 400)
+    assert message in response.json()["error"]["message"]
+
+
+def test_the_most_tools_allowed_count_against_the_context_as_the_prompt_they_become(http):
+    tools = [{"type": "function", "function": {**TOOL["function"], "name": f"tool_{i}"}} for i in range(128)]
+    response = http.post("/v1/chat/completions", json={**CHAT, "tools": tools, "tool_choice": "required"})
+    assert_openai_error(response, 400)
+    assert "leaves no room to generate" in response.json()["error"]["message"]
 
 
 def test_a_body_over_the_limit_is_413_whether_or_not_its_length_is_declared(http):

@@ -81,3 +81,17 @@ def test_bench_serve_cli_completes_every_request(server):
     assert figures["model"] == MODEL
     assert 0 < figures["median_ttft_ms"] <= figures["p99_ttft_ms"] and figures["mean_tpot_ms"] > 0
     assert figures["requests_per_s"] > 0 and figures["output_tokens_per_s"] > 0
+
+
+def test_bench_serve_structured_compares_with_and_without_a_schema_and_times_the_masks(server):
+    command = [
+        sys.executable, "-m", "strata.launch.cli", "bench", "serve", "--url", server.url, "--num-prompts", "4",
+        "--max-tokens", "6", "--structured", "json-schema", "--json",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    constrained = figures["structured"]
+    assert (figures["failed"], constrained["failed"], figures["grammar_mask_steps"]) == (0, 0, 0)
+    assert constrained["grammar_mask_steps"] > 0 and constrained["grammar_mask_ms_per_step"] > 0
+    assert figures["structured_output_tokens_per_s_ratio"] > 0
