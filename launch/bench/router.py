@@ -32,7 +32,7 @@ def measure(num_replicas: int, hashes: list[bytes]) -> dict[str, float]:
         router.apply(index % num_replicas, [event])
     store_s = time.perf_counter() - started
     prompt = list(range(PROMPT_TOKENS))
-    router.routed(0, router.block_hashes(prompt), len(prompt))
+    router.routed("request", 0, router.block_hashes(prompt), len(prompt))
     started = time.perf_counter()
     for _ in range(ROUTINGS):
         router.choose(router.block_hashes(prompt))

@@ -38,7 +38,6 @@ class ReplicaSet:
             for endpoints in event_endpoints
         ]
         self.owner: dict[str, int] = {}  # request id -> replica
-        self._tokens: dict[str, int] = {}  # each request's share of its replica's load
         self.stats: dict[int, SchedulerStats] = {}
         self.dead: dict[int, str] = {}
 
@@ -50,15 +49,14 @@ class ReplicaSet:
         self.drain_events()
         block_hashes = self.router.block_hashes(request.prompt_token_ids, request.cache_salt)
         replica = self.router.choose(block_hashes)
-        self.router.routed(replica, block_hashes, len(request.prompt_token_ids))
+        self.router.routed(request.request_id, replica, block_hashes, len(request.prompt_token_ids))
         self.owner[request.request_id] = replica
-        self._tokens[request.request_id] = len(request.prompt_token_ids)
         return replica
 
     def unroute(self, request_id: str) -> None:
         """Forget a request whose send failed (it is routed again)."""
-        replica = self.owner.pop(request_id)
-        self.router.add_load(replica, -self._tokens.pop(request_id, 0))
+        del self.owner[request_id]
+        self.router.finished(request_id)
 
     def drain_events(self) -> None:
         for replica in self.live:
@@ -72,14 +70,12 @@ class ReplicaSet:
         if outputs.stats is not None:
             self.stats[replica] = outputs.stats
         for request_id in outputs.request_ids:
-            if request_id in self._tokens:
-                self._tokens[request_id] += 1
-                self.router.add_load(replica, 1)
+            self.router.generated(request_id)
         for finished in outputs.finished:
             if finished.message is not None and finished.finish_reason == "error":
                 finished.message = f"data-parallel replica {replica}: {finished.message}"
             self.owner.pop(finished.request_id, None)
-            self.router.add_load(replica, -self._tokens.pop(finished.request_id, 0))
+            self.router.finished(finished.request_id)
 
     def by_replica(self, request_ids: list[str]) -> dict[int, list[str]]:
         groups: dict[int, list[str]] = {}
@@ -102,7 +98,6 @@ class ReplicaSet:
         lost = [request_id for request_id, owner in self.owner.items() if owner == replica]
         for request_id in lost:
             del self.owner[request_id]
-            self.router.add_load(replica, -self._tokens.pop(request_id, 0))
         return EngineCoreOutputs(finished=[FinishedRequest(request_id, "error", message) for request_id in lost])
 
     def dead_reason(self) -> str | None:

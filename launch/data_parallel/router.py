@@ -4,21 +4,42 @@ Cache-aware routing keeps, from every replica's KV events, which replicas hold w
 hashes (an LRU map of at most ``max_hashes`` entries), computes a request's block hashes
 with the EngineCore's own function, and sends it to the replica holding the longest prefix
 of them, unless that replica's load exceeds the least loaded one's by more than
-``load_margin`` tokens; with no prefix anywhere it goes to the least loaded. A request is
-also recorded as held by the replica it was sent to, before that replica's events say so:
-requests sharing a prefix that arrive together then land together.
+``load_margin`` tokens; with no prefix anywhere it goes to the least loaded.
 
-Load is tracked here, not read from the replicas' stats (which lag a step): the prompt
-tokens plus the tokens generated so far of every request routed and not yet finished.
+A routed request also pins its blocks to its replica until it finishes, whatever that
+replica's events say meanwhile: requests sharing a prefix that arrive together land
+together before any event is back, and a removal the replica published before it took the
+request (its old copy of the prefix being evicted while the request waits in its queue)
+does not send the next request with that prefix to another replica, which would then
+compute and cache it a second time.
+
+Load is tracked here, not read from the replicas' stats (which lag a step): for every
+request routed and not yet finished, the prompt tokens its replica has to compute (those
+past the prefix the router expects it to hold) plus the tokens generated so far. A request
+whose system prompt is cached costs its replica little, so a replica serving the tenants
+it caches does not look busy for holding their long prompts.
 """
 
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
 
 from strata.engine_core.block_hash import extend_block_hashes
-from strata.engine_core.kv_events import GPU_TIER, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from strata.engine_core.kv_events import CPU_TIER, GPU_TIER, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
-_TIERS = {GPU_TIER: 0, "cpu": 1}
+# Why a replica holds a hash: one bit each, ``_KINDS`` bits per replica in a hash's mask.
+_BIT = {GPU_TIER: 0, CPU_TIER: 1}
+_ROUTED_BIT = 2
+_KINDS = 3
+
+
+@dataclass
+class _Routed:
+    """A request in flight: where it went, the blocks it pins there, the load it adds."""
+
+    replica: int
+    block_hashes: list[bytes]
+    load: int
 
 
 class Router:
@@ -33,10 +54,12 @@ class Router:
         self.max_hashes = max_hashes
         self.live = list(range(num_replicas))
         self.load = [0] * num_replicas
-        # block hash -> bit mask, bit 2 * replica + tier: which replicas hold it, in which tier.
+        # block hash -> bit mask, bit _KINDS * replica + kind: which replicas hold it, and why.
         self._holders: OrderedDict[bytes, int] = OrderedDict()
+        self._requests: dict[str, _Routed] = {}
+        self._pins: Counter[tuple[int, bytes]] = Counter()  # (replica, hash) -> requests pinning it
         self._turns = itertools.cycle(range(num_replicas))
-        self._gpu_bits = sum(1 << 2 * replica for replica in range(num_replicas))
+        self._replica_bits = sum(1 << _KINDS * replica for replica in range(num_replicas))
 
     @property
     def num_hashes(self) -> int:
@@ -65,51 +88,88 @@ class Router:
             extend_block_hashes(hashes, token_ids, self.block_size, salt=cache_salt)
         return hashes
 
-    def routed(self, replica: int, block_hashes: list[bytes], num_tokens: int) -> None:
-        """A prompt of ``num_tokens`` went to ``replica``: count its load, expect its blocks there."""
-        self.load[replica] += num_tokens
-        self._insert(block_hashes, replica, GPU_TIER)
+    def routed(self, request_id: str, replica: int, block_hashes: list[bytes], num_tokens: int) -> None:
+        """A prompt of ``num_tokens`` went to ``replica``: count the part it has to compute in
+        the replica's load, and pin its blocks there until ``finished``."""
+        cached_tokens = self._held_prefix_length(replica, block_hashes) * self.block_size
+        load = max(num_tokens - cached_tokens, 1)
+        self._requests[request_id] = _Routed(replica, block_hashes, load)
+        self.load[replica] += load
+        self._insert(block_hashes, replica, _ROUTED_BIT)
+        self._pins.update((replica, block_hash) for block_hash in block_hashes)
 
-    def add_load(self, replica: int, num_tokens: int) -> None:
-        """Tokens generated (positive) or a finished request's tokens (negative) on ``replica``."""
-        self.load[replica] += num_tokens
+    def generated(self, request_id: str) -> None:
+        """The request produced a token (ignored if it is not in flight)."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            request.load += 1
+            self.load[request.replica] += 1
+
+    def finished(self, request_id: str) -> None:
+        """The request ended (or was never sent): drop its load and its pins."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        self.load[request.replica] -= request.load
+        unpinned = []
+        for block_hash in request.block_hashes:
+            key = (request.replica, block_hash)
+            self._pins[key] -= 1
+            if not self._pins[key]:
+                del self._pins[key]
+                unpinned.append(block_hash)
+        self._discard(unpinned, request.replica, _ROUTED_BIT)
 
     def apply(self, replica: int, events: list[KVEvent]) -> None:
         """Bring the map up to date with a batch of ``replica``'s KV events."""
         for event in events:
             if isinstance(event, BlockStored):
-                self._insert(event.block_hashes, replica, event.tier)
+                self._insert(event.block_hashes, replica, _BIT[event.tier])
             elif isinstance(event, BlockRemoved):
-                self._discard(event.block_hashes, replica, event.tier)
+                self._discard(event.block_hashes, replica, _BIT[event.tier])
             elif isinstance(event, AllBlocksCleared):
-                self._clear(replica, event.tier)
+                self._clear(replica, _BIT[event.tier])
 
     def remove_replica(self, replica: int) -> None:
-        """Take a dead replica out of routing and forget what it held."""
-        if replica in self.live:
-            self.live.remove(replica)
-            for tier in _TIERS:
-                self._clear(replica, tier)
+        """Take a dead replica out of routing and forget what it held and ran."""
+        if replica not in self.live:
+            return
+        self.live.remove(replica)
+        for request_id in [rid for rid, request in self._requests.items() if request.replica == replica]:
+            self.finished(request_id)
+        for kind in range(_KINDS):
+            self._clear(replica, kind)
 
     def _longest_prefix_holders(self, hashes: list[bytes]) -> list[int]:
-        """Live replicas that hold the longest run of leading ``hashes`` (in any tier)."""
-        candidates = sum(3 << 2 * replica for replica in self.live)
+        """Live replicas that hold the longest run of leading ``hashes`` (for any reason)."""
+        every_kind = (1 << _KINDS) - 1
+        candidates = sum(every_kind << _KINDS * replica for replica in self.live)
         matched = 0
         for block_hash in hashes:
             held = self._holders.get(block_hash, 0) & candidates
             if not held:
                 break
             self._holders.move_to_end(block_hash)
-            # Keep both tier bits of every replica that holds this block in either tier.
-            holding = (held | held >> 1) & self._gpu_bits
-            candidates = holding | holding << 1
+            # Keep every kind bit of each replica that holds this block for any reason.
+            holding = (held | held >> 1 | held >> 2) & self._replica_bits
+            candidates = holding * every_kind
             matched += 1
         if not matched:
             return []
-        return [replica for replica in self.live if candidates >> 2 * replica & 3]
+        return [replica for replica in self.live if candidates >> _KINDS * replica & every_kind]
 
-    def _insert(self, hashes: list[bytes], replica: int, tier: str) -> None:
-        bit = 1 << 2 * replica + _TIERS[tier]
+    def _held_prefix_length(self, replica: int, hashes: list[bytes]) -> int:
+        """How many leading ``hashes`` ``replica`` holds."""
+        mask = ((1 << _KINDS) - 1) << _KINDS * replica
+        held = 0
+        for block_hash in hashes:
+            if not self._holders.get(block_hash, 0) & mask:
+                break
+            held += 1
+        return held
+
+    def _insert(self, hashes: list[bytes], replica: int, kind: int) -> None:
+        bit = 1 << _KINDS * replica + kind
         holders = self._holders
         for block_hash in hashes:
             holders[block_hash] = holders.get(block_hash, 0) | bit
@@ -117,8 +177,8 @@ class Router:
         while len(holders) > self.max_hashes:
             holders.popitem(last=False)
 
-    def _discard(self, hashes: list[bytes], replica: int, tier: str) -> None:
-        bit = 1 << 2 * replica + _TIERS[tier]
+    def _discard(self, hashes: list[bytes], replica: int, kind: int) -> None:
+        bit = 1 << _KINDS * replica + kind
         holders = self._holders
         for block_hash in hashes:
             mask = holders.get(block_hash, 0) & ~bit
@@ -127,7 +187,6 @@ class Router:
             else:
                 holders.pop(block_hash, None)
 
-    def _clear(self, replica: int, tier: str) -> None:
-        bit = 1 << 2 * replica + _TIERS[tier]
-        for block_hash in [h for h, mask in self._holders.items() if mask & bit]:
-            self._discard([block_hash], replica, tier)
+    def _clear(self, replica: int, kind: int) -> None:
+        bit = 1 << _KINDS * replica + kind
+        self._discard([h for h, mask in self._holders.items() if mask & bit], replica, kind)

@@ -1,5 +1,8 @@
 """The data-parallel router: cache-aware routing follows the longest prefix held, within
-a load margin; its hash map is bounded; dead replicas get nothing."""
+a load margin on the tokens each replica has to compute; a routed request pins its prefix to
+its replica until it finishes; the hash map is bounded; dead replicas get nothing."""
+
+import itertools
 
 import pytest
 
@@ -17,8 +20,17 @@ def choose(router: Router, tokens: list[int]) -> int:
     return router.choose(router.block_hashes(tokens))
 
 
-def route(router: Router, replica: int, tokens: list[int]) -> None:
-    router.routed(replica, router.block_hashes(tokens), len(tokens))
+_request_ids = (f"request-{n}" for n in itertools.count())
+
+
+def route(router: Router, replica: int, tokens: list[int]) -> str:
+    request_id = next(_request_ids)
+    router.routed(request_id, replica, router.block_hashes(tokens), len(tokens))
+    return request_id
+
+
+def removed_from(router: Router, replica: int, tokens: list[int]) -> None:
+    router.apply(replica, [BlockRemoved(router.block_hashes(tokens), GPU_TIER)])
 
 
 def stored_on(router: Router, replica: int, tokens: list[int], tier: str = GPU_TIER) -> None:
@@ -46,10 +58,29 @@ def test_without_a_prefix_hit_the_least_loaded_replica_wins():
 
 def test_a_holder_loaded_beyond_the_margin_loses_to_the_least_loaded():
     router = Router(2, "cache-aware", BLOCK, load_margin=10)
-    route(router, 0, prompt(1))  # 17 tokens on replica 0, and its blocks
+    route(router, 0, prompt(1))  # 17 tokens to compute on replica 0, and its blocks
     assert choose(router, prompt(1)) == 1
-    router.add_load(1, 10)  # now 17 against 10: within the margin
+    route(router, 1, prompt(2)[:10])  # now 17 against 10: within the margin
     assert choose(router, prompt(1)) == 0
+
+
+def test_load_counts_only_the_prompt_tokens_past_the_prefix_the_replica_holds():
+    router = Router(2, "cache-aware", BLOCK, load_margin=10)
+    stored_on(router, 0, prompt(1))
+    for _ in range(3):  # 4 blocks held: each costs its replica the last token only
+        route(router, 0, prompt(1))
+    assert router.load == [3, 0]
+    assert choose(router, prompt(1)) == 0
+
+
+def test_generated_tokens_add_load_until_the_request_finishes():
+    router = Router(2, "least-loaded", BLOCK)
+    request_id = route(router, 0, prompt(1))
+    router.generated(request_id)
+    router.generated("never-routed")
+    assert router.load == [18, 0]
+    router.finished(request_id)
+    assert router.load == [0, 0]
 
 
 def test_requests_sharing_a_prefix_follow_the_first_before_any_event_arrives():
@@ -59,15 +90,36 @@ def test_requests_sharing_a_prefix_follow_the_first_before_any_event_arrives():
     assert choose(router, prompt(5)[:12] + [7, 7, 7, 7]) == first
 
 
+def test_a_removal_published_before_a_routing_does_not_unpin_the_routed_prefix():
+    router = Router(2, "cache-aware", BLOCK)
+    route(router, 0, prompt(2))
+    stored_on(router, 0, prompt(1))
+    first = route(router, 0, prompt(1))
+    removed_from(router, 0, prompt(1))  # replica 0 evicted its old copy; the request will recompute it
+    assert choose(router, prompt(1)) == 0
+    router.finished(first)
+    assert choose(router, prompt(1)) == 1  # nothing pins it any more: the least loaded
+
+
+def test_a_prefix_stays_pinned_until_the_last_request_routed_with_it_finishes():
+    router = Router(2, "cache-aware", BLOCK)
+    first, second = route(router, 0, prompt(1)), route(router, 0, prompt(1))
+    router.finished(first)
+    router.generated(second)
+    assert choose(router, prompt(1)) == 0
+    router.finished(second)
+    assert router.num_hashes == 0
+
+
 def test_removed_and_cleared_blocks_stop_attracting_requests():
     router = Router(2, "cache-aware", BLOCK)
-    router.add_load(0, 5)
+    route(router, 0, prompt(3))
     stored_on(router, 0, prompt(1))
     router.apply(0, [BlockRemoved(router.block_hashes(prompt(1))[:1], GPU_TIER)])
     assert choose(router, prompt(1)) == 1
     stored_on(router, 0, prompt(2))
     router.apply(0, [AllBlocksCleared(GPU_TIER)])
-    assert choose(router, prompt(2)) == 1 and router.num_hashes == 0
+    assert choose(router, prompt(2)) == 1
 
 
 def test_the_hash_map_keeps_only_the_most_recent_hashes():
@@ -75,7 +127,7 @@ def test_the_hash_map_keeps_only_the_most_recent_hashes():
     for prefix in range(10):
         stored_on(router, 0, prompt(prefix))
     assert router.num_hashes == 8
-    router.add_load(0, 1)
+    route(router, 0, [0])
     assert choose(router, prompt(0)) == 1  # forgotten: least loaded
     assert choose(router, prompt(9)) == 0
 
@@ -84,8 +136,10 @@ def test_a_removed_replica_gets_no_requests_under_any_policy():
     for policy in ("cache-aware", "least-loaded", "round-robin"):
         router = Router(3, policy, BLOCK)
         stored_on(router, 1, prompt(1))
+        route(router, 1, prompt(2))
         router.remove_replica(1)
         assert {choose(router, prompt(1)) for _ in range(6)} <= {0, 2}
+        assert router.load == [0, 0, 0]
 
 
 def test_round_robin_takes_turns():
