@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.kernels import cpu_layers
 from strata.worker.parallel_state import TensorParallel
 
 
@@ -62,7 +63,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if x.dtype == weight.dtype:
         return F.linear(x, weight, bias)
-    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+    return _convert(F.linear(_convert(x, weight.dtype), weight, bias), x.dtype)
+
+
+def _convert(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if cpu_layers.handles(x) and x.is_contiguous():
+        return cpu_layers.convert(x, dtype)
+    return x.to(dtype)
 
 
 class ColumnParallelLinear(nn.Module):
