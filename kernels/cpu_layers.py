@@ -1,6 +1,7 @@
 """The fused elementwise parts of a decoder layer on the CPU (``csrc/layers.c``): RMSNorm with
-its residual add, rotary embedding in place, SwiGLU. ``worker/llama.py`` holds the torch code
-they replace on the CPU and are tested against."""
+its residual add, rotary embedding in place, SwiGLU, and the dtype conversion around a linear
+whose weights are held wider than its activations. ``worker/llama.py`` holds the torch code
+they replace on the CPU and are tested against (``Tensor.to`` for the conversion)."""
 
 import torch
 
@@ -69,6 +70,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype)
     native.load_library().silu_and_mul(
         gate_up.data_ptr(), out.data_ptr(), out.numel() // width, width, native.DTYPE_CODES[gate_up.dtype], torch.get_num_threads()
+    )
+    return out
+
+
+def convert(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, rounded as torch rounds, on one thread below a million elements (torch
+    wakes every thread for a decode step's few hundred thousand)."""
+    _require_contiguous(x)
+    if dtype not in native.DTYPE_CODES:
+        raise ValueError(f"cannot convert to {dtype}; supported: {', '.join(map(str, native.DTYPE_CODES))}")
+    out = torch.empty(x.shape, dtype=dtype)
+    native.load_library().convert(
+        x.data_ptr(), native.DTYPE_CODES[x.dtype], out.data_ptr(), native.DTYPE_CODES[dtype], x.numel(),
+        torch.get_num_threads(),
     )
     return out
 

@@ -38,6 +38,7 @@ _SIGNATURES = {
     "rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, ctypes.c_float, _i32], None),
     "rotary_embedding": ([_ptr, _i64, _i64, _i32, _i32, _i32, _ptr, _ptr, _i32], None),
     "silu_and_mul": ([_ptr, _ptr, _i64, _i32, _i32, _i32], None),
+    "convert": ([_ptr, _i32, _ptr, _i32, _i64, _i32], None),
 }
 
 

@@ -13,6 +13,7 @@ from strata.worker.config import WorkerConfig
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 LOAD_FORMATS = ("auto", "dummy")  # as worker.model_loader.LOAD_FORMATS, without importing torch here
+CPU_BF16_LINEAR_MODES = ("auto", "float32", "native")  # as worker.model_loader's
 RAY_PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
 DP_ROUTING_POLICIES = ("cache-aware", "least-loaded", "round-robin")
 
@@ -36,6 +37,7 @@ class EngineArgs:
     tokenizer: str | None = None
     skip_tokenizer: bool = False
     dtype: str = "auto"
+    cpu_bf16_linear: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
     executor: str = "mp"
@@ -79,6 +81,10 @@ class EngineArgs:
             )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.cpu_bf16_linear not in CPU_BF16_LINEAR_MODES:
+            raise ValueError(
+                f"cpu_bf16_linear must be one of {', '.join(CPU_BF16_LINEAR_MODES)}, got {self.cpu_bf16_linear!r}"
+            )
         if self.skip_tokenizer and self.tokenizer is not None:
             raise ValueError("tokenizer and skip_tokenizer exclude each other")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -119,6 +125,9 @@ class EngineArgs:
         add("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
         add("--skip-tokenizer", action="store_true", help="no tokenizer: token-id prompts only, no output text")
         add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+        add("--cpu-bf16-linear", default="auto", choices=CPU_BF16_LINEAR_MODES,
+            help="a bfloat16 model on CPU: float32 runs its linears as float32 GEMMs on the bfloat16 weights "
+            "(2x their memory), native as bfloat16 GEMMs; auto: float32 where the CPU lacks native bfloat16")
         add("--device", default="auto", help="cpu, cuda, cuda:K (mp ranks take cuda:K, cuda:K+1, ...) or auto")
         add("--tensor-parallel-size", "-tp", type=int, default=1)
         add("--executor", default="mp", choices=["uni", "mp", "ray"], help="uni: one process (debugging)")
@@ -222,6 +231,7 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
         model=str(path),
         load_format=args.load_format,
         dtype=args.dtype,
+        cpu_bf16_linear=args.cpu_bf16_linear,
         device=_device(args.device),
         block_size=args.block_size,
         max_model_len=max_model_len,

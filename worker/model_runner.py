@@ -17,7 +17,7 @@ from strata.worker.input_batch import InputBatch, StepInputs
 from strata.worker.cpu_memory import keep_freed_memory
 from strata.worker.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from strata.worker.kv_cache_sizing import GIB, DeviceMemory, kv_cache_bytes
-from strata.worker.model_loader import load_model, resolve_dtype
+from strata.worker.model_loader import load_model, resolve_dtype, resolve_linear_dtype
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.sampler import SamplingMetadata, sample
 
@@ -42,7 +42,12 @@ class ModelRunner:
         self.dtype, reason = resolve_dtype(config.dtype, self.device)
         logger.info("rank %d: dtype %s (%s)", tp.rank, self.dtype, reason)
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.model = load_model(config.model, self.dtype, tp, self.backend, self.device, config.load_format)
+        linear_dtype, reason = resolve_linear_dtype(config.cpu_bf16_linear, self.dtype, self.device)
+        if linear_dtype != self.dtype:
+            logger.info("rank %d: linear weights held as %s (%s)", tp.rank, linear_dtype, reason)
+        self.model = load_model(
+            config.model, self.dtype, tp, self.backend, self.device, config.load_format, linear_dtype
+        )
         self.cache_dtype = self.backend.cache_dtype(self.dtype)
         self.block_size = config.block_size
         graph_sizes = self._graph_sizes()

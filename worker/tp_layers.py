@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.kernels import cpu_layers
 from strata.worker.parallel_state import TensorParallel
 
 
@@ -53,6 +54,24 @@ def empty_parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` in the weight's dtype, the result rounded back to ``x``'s.
+
+    A bfloat16 model on a CPU without native bfloat16 holds its linear weights widened to float32
+    (``model_loader.widen_linear_weights``): the matmul then runs in float32 on the bfloat16
+    values, as a native bfloat16 GEMM accumulates, and the activations stay bfloat16.
+    """
+    if x.dtype == weight.dtype:
+        return F.linear(x, weight, bias)
+    return _convert(F.linear(_convert(x, weight.dtype), weight, bias), x.dtype)
+
+
+def _convert(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if cpu_layers.handles(x) and x.is_contiguous():
+        return cpu_layers.convert(x, dtype)
+    return x.to(dtype)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with the output features of W split across ranks; ``y`` stays split.
 
@@ -74,7 +93,13 @@ class ColumnParallelLinear(nn.Module):
         self.bias = empty_parameter(sum(self.output_sizes)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
+
+    def widen_(self, dtype: torch.dtype) -> None:
+        """Hold the weight and bias in ``dtype`` (see ``linear``)."""
+        self.weight = nn.Parameter(self.weight.to(dtype), requires_grad=False)
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.to(dtype), requires_grad=False)
 
     def load_weight(self, name: str, source: TensorSource, part: int = 0) -> None:
         """Copy this rank's rows of checkpoint matrix ``part`` (``name`` is ``weight`` or ``bias``)."""
@@ -103,8 +128,13 @@ class RowParallelLinear(nn.Module):
         self.bias = empty_parameter(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+    def widen_(self, dtype: torch.dtype) -> None:
+        """Hold the weight in ``dtype`` (see ``linear``); the bias, added after the reduce, keeps the
+        activations' dtype."""
+        self.weight = nn.Parameter(self.weight.to(dtype), requires_grad=False)
 
     def load_weight(self, name: str, source: TensorSource) -> None:
         """Copy this rank's columns of the weight, or the whole bias."""
@@ -152,9 +182,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, sharded like the embedding so a tied model shares one weight.
 
     Each rank computes the logits of its vocabulary range; the all-gather assembles the full
-    vocabulary on every rank and the padding columns are dropped.
+    vocabulary on every rank and the padding columns are dropped. The logits come out in the
+    weight's dtype: a head widened to float32 keeps them float32 (no rounding to create ties).
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last_dim(F.linear(hidden.to(self.weight.dtype), self.weight))
         return logits[..., : self.vocab_size]
+
+    def widen_(self, dtype: torch.dtype) -> None:
+        """Hold the weight in ``dtype``: a head tied to the embedding gets its own copy, so the
+        embedding keeps the activations' dtype."""
+        self.weight = nn.Parameter(self.weight.to(dtype), requires_grad=False)

@@ -90,3 +90,23 @@ void silu_and_mul(const void *gate_up, void *out, int64_t rows, int width, int d
         store_row(gate, dtype, (char *)out + r * width * item, width);
     }
 }
+
+/* A conversion streams memory once; below this many elements one thread keeps up with it and
+ * waking the others costs more (far more on a machine whose cores are busy). */
+enum { CONVERT_PARALLEL_MIN_ELEMENTS = 1 << 20, CONVERT_CHUNK = 4096 };
+
+/* dst[0..n) = src[0..n) converted from `src_dtype` to `dst_dtype`, rounded to nearest even as
+ * torch rounds. */
+void convert(const void *src, int src_dtype, void *dst, int dst_dtype, int64_t n, int num_threads)
+{
+    const size_t src_item = dtype_size(src_dtype), dst_item = dtype_size(dst_dtype);
+    const int64_t chunks = (n + CONVERT_CHUNK - 1) / CONVERT_CHUNK;
+#pragma omp parallel for num_threads(num_threads) if (n >= CONVERT_PARALLEL_MIN_ELEMENTS)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t start = c * CONVERT_CHUNK;
+        const int count = (int)(n - start < CONVERT_CHUNK ? n - start : CONVERT_CHUNK);
+        float values[CONVERT_CHUNK];
+        load_row((const char *)src + start * src_item, src_dtype, values, count);
+        store_row(values, dst_dtype, (char *)dst + start * dst_item, count);
+    }
+}

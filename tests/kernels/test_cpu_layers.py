@@ -85,3 +85,23 @@ def test_a_weight_of_another_dtype_is_refused():
     x = torch.randn(2, 32).to(torch.bfloat16)
     with pytest.raises(ValueError, match="weight"):
         cpu_layers.rms_norm(x, None, torch.ones(32), 1e-6)
+
+
+CONVERSIONS = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float16),
+               (torch.float16, torch.float32), (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize(("source", "target"), CONVERSIONS, ids=lambda dtype: str(dtype).removeprefix("torch."))
+@pytest.mark.parametrize("shape", [(3, 5), (64, 3072), (520, 2048)], ids=["odd", "decode", "threaded"])
+def test_convert_rounds_exactly_as_torch(source, target, shape):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 100).to(source)
+    assert torch.equal(cpu_layers.convert(x, target), x.to(target))
+
+
+def test_convert_keeps_infinities_and_nans():
+    x = torch.tensor([float("inf"), -float("inf"), float("nan"), 3.0e38, -0.0, 1e-40])
+    converted = cpu_layers.convert(x, torch.bfloat16)
+    torch.testing.assert_close(converted, x.to(torch.bfloat16), equal_nan=True, atol=0, rtol=0)
+    numbers = ~x.isnan()  # a NaN's sign bit means nothing
+    assert torch.equal(converted[numbers].float().signbit(), x[numbers].to(torch.bfloat16).float().signbit())
