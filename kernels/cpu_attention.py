@@ -36,17 +36,21 @@ def paged_attention(
     scale: float,
     *,
     sliding_window: int | None = None,
+    long_chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """Causal attention ``[num_tokens, num_heads, head_dim]`` (query's dtype) of each sequence's
     new tokens over its paged context, within the last ``sliding_window`` positions if given; the
     new tokens' K/V must already be in the cache. ``query`` may be a strided view as long as its
-    last dimension is contiguous."""
+    last dimension is contiguous. Sequences with at least ``long_chunk_tokens`` new tokens are
+    skipped: their rows of the result are uninitialised, for the caller to fill."""
     library = native.load_library()
     if library is None:
         raise RuntimeError("the C kernels are not available on this machine (see kernels.native)")
     _check(query, kv_cache, block_tables, query_start_loc, seq_lens)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if long_chunk_tokens is not None and long_chunk_tokens < 1:
+        raise ValueError(f"long_chunk_tokens must be >= 1, got {long_chunk_tokens}")
     out = torch.empty(query.shape, dtype=query.dtype)
     status = library.paged_attention(
         query.data_ptr(),
@@ -66,6 +70,7 @@ def paged_attention(
         seq_lens.numel(),
         query.shape[1],
         sliding_window or 0,
+        long_chunk_tokens or 0,
         scale,
         out.data_ptr(),
         torch.get_num_threads(),

@@ -29,7 +29,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/dt
 _i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "paged_attention": (
-        [_ptr, _i64, _i64, _i32, _ptr, _i32, _i64, _i32, _i32, _i32, _ptr, _i64, _ptr, _ptr, _i32, _i32, _i32]
+        [_ptr, _i64, _i64, _i32, _ptr, _i32, _i64, _i32, _i32, _i32, _ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _i32]
         + [ctypes.c_float, _ptr, _i32],
         _i32,
     ),
@@ -39,6 +39,7 @@ _SIGNATURES = {
     "rotary_embedding": ([_ptr, _i64, _i64, _i32, _i32, _i32, _ptr, _ptr, _i32], None),
     "silu_and_mul": ([_ptr, _ptr, _i64, _i32, _i32, _i32], None),
     "convert": ([_ptr, _i32, _ptr, _i32, _i64, _i32], None),
+    "small_batch_linear": ([_ptr, _i32, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i32, _i32], _i32),
 }
 
 

@@ -58,12 +58,23 @@ class DecodeBucket:
 
 
 @dataclass
+class Chunk:
+    """One sequence's new tokens when there are several: its query rows, the blocks of its
+    context, the context length and the mask (None = plain causal attention of a whole prompt)."""
+
+    rows: slice
+    blocks: torch.Tensor
+    context: int
+    mask: torch.Tensor | None
+
+
+@dataclass
 class AttentionPlan:
     """The index work of one step, shared by every layer with the same window: decode buckets,
-    and each multi-token chunk's rows, blocks, context length and mask (None = plain causal)."""
+    and the multi-token chunks."""
 
     decodes: list[DecodeBucket]
-    chunks: list[tuple[slice, torch.Tensor, int, torch.Tensor | None]]
+    chunks: list[Chunk]
 
 
 def plan_attention(
@@ -73,7 +84,6 @@ def plan_attention(
     block_size: int,
     sliding_window: int | None = None,
 ) -> AttentionPlan:
-    device = block_tables.device
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decodes = sorted((i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1), key=lambda i: lens[i])
@@ -82,15 +92,30 @@ def plan_attention(
         if not buckets or (lens[i] > _BUCKET_SPREAD * lens[buckets[-1][0]] and len(buckets[-1]) >= _MIN_BUCKET):
             buckets.append([])
         buckets[-1].append(i)
-    chunks = []
-    for i in range(len(lens)):
-        q_len, context = starts[i + 1] - starts[i], lens[i]
-        if q_len > 1:
-            blocks = block_tables[i, : -(-context // block_size)].long()
-            chunks.append((slice(starts[i], starts[i + 1]), blocks, context, _chunk_mask(q_len, context, sliding_window, device)))
     return AttentionPlan(
-        [_decode_bucket(b, starts, lens, block_tables, block_size, sliding_window) for b in buckets], chunks
+        [_decode_bucket(b, starts, lens, block_tables, block_size, sliding_window) for b in buckets],
+        plan_chunks(block_tables, query_start_loc, seq_lens, block_size, sliding_window),
     )
+
+
+def plan_chunks(
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
+    min_tokens: int = 2,
+) -> list[Chunk]:
+    """The chunks of the sequences with at least ``min_tokens`` new tokens."""
+    starts = query_start_loc.tolist()
+    chunks = []
+    for i, context in enumerate(seq_lens.tolist()):
+        q_len = starts[i + 1] - starts[i]
+        if q_len >= min_tokens:
+            blocks = block_tables[i, : -(-context // block_size)].long()
+            mask = _chunk_mask(q_len, context, sliding_window, block_tables.device)
+            chunks.append(Chunk(slice(starts[i], starts[i + 1]), blocks, context, mask))
+    return chunks
 
 
 def _chunk_mask(q_len: int, context: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -148,19 +173,26 @@ def paged_attention(
     out = torch.empty_like(query)
     for bucket in plan.decodes:
         _decode_attention(query, kv_cache, bucket, scale, out)
-    for rows, blocks, context, mask in plan.chunks:
-        keys, values = _gather(kv_cache, blocks)
-        attn = F.scaled_dot_product_attention(
-            query[rows].transpose(0, 1).float(),
-            keys[:context].transpose(0, 1).float(),
-            values[:context].transpose(0, 1).float(),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[rows] = attn.transpose(0, 1).to(query.dtype)
+    for chunk in plan.chunks:
+        chunk_attention(query, kv_cache, chunk, scale, out)
     return out
+
+
+def chunk_attention(query: torch.Tensor, kv_cache: torch.Tensor, chunk: Chunk, scale: float, out: torch.Tensor) -> None:
+    """Attention of one chunk's query rows over its context, in float32, into the same rows of ``out``."""
+    keys, values = _gather(kv_cache, chunk.blocks)
+    # With a batch dimension torch takes its fused (flash) CPU attention; 3-D inputs fall back to
+    # the unfused path, which materialises every score and ran 3x slower on a 4000-token context.
+    attn = F.scaled_dot_product_attention(
+        query[chunk.rows].transpose(0, 1)[None].float(),
+        keys[: chunk.context].transpose(0, 1)[None].float(),
+        values[: chunk.context].transpose(0, 1)[None].float(),
+        attn_mask=chunk.mask,
+        is_causal=chunk.mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    out[chunk.rows] = attn[0].transpose(0, 1).to(out.dtype)
 
 
 def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

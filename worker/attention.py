@@ -27,6 +27,8 @@ class AttentionMetadata:
     # The torch backend's per-step index work by sliding window (None = full attention), built at
     # the first layer with that window and reused by the rest.
     reference_plans: dict[int | None, reference.AttentionPlan] = field(default_factory=dict)
+    # The C backend's: the chunks it leaves to torch's fused attention, by sliding window.
+    long_chunks: dict[int | None, list[reference.Chunk]] = field(default_factory=dict)
 
 
 class TorchAttentionBackend:
@@ -64,7 +66,12 @@ class TorchAttentionBackend:
 
 class CpuAttentionBackend:
     """The C kernel compiled for this CPU (kernels/csrc): the CPU path where a C compiler exists.
-    Attention shapes the kernel does not handle run the torch reference instead."""
+    Attention shapes the kernel does not handle run the torch reference instead, and so do
+    chunks of at least ``LONG_CHUNK_TOKENS`` new tokens: their attention is GEMMs, which torch's
+    fused CPU attention runs at several times the C kernel's rate (decodes are memory bound,
+    where the C kernel's single pass over the paged cache wins)."""
+
+    LONG_CHUNK_TOKENS = 64
 
     name = "cpu"
 
@@ -85,14 +92,22 @@ class CpuAttentionBackend:
         """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]``; returns ``[T, H, D]``."""
         cpu_kv_cache.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        attend = (
-            cpu_attention.paged_attention
-            if cpu_attention.supports(query.shape[1], num_kv_heads, head_dim, block_size)
-            else reference.paged_attention
+        if not cpu_attention.supports(query.shape[1], num_kv_heads, head_dim, block_size):
+            return reference.paged_attention(
+                query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, sliding_window=sliding_window
+            )
+        long_chunks = meta.long_chunks.get(sliding_window)
+        if long_chunks is None:
+            long_chunks = meta.long_chunks[sliding_window] = reference.plan_chunks(
+                meta.block_tables, meta.query_start_loc, meta.seq_lens, block_size, sliding_window, self.LONG_CHUNK_TOKENS
+            )
+        out = cpu_attention.paged_attention(
+            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+            sliding_window=sliding_window, long_chunk_tokens=self.LONG_CHUNK_TOKENS if long_chunks else None,
         )
-        return attend(
-            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, sliding_window=sliding_window
-        )
+        for chunk in long_chunks:
+            reference.chunk_attention(query, kv_cache, chunk, scale, out)
+        return out
 
     @staticmethod
     def cache_dtype(model_dtype: torch.dtype) -> torch.dtype:

@@ -165,16 +165,17 @@ static void attend_item(const Batch *b, int seq, int64_t row, int num_tokens, in
 }
 
 /* Attention of the new tokens of every one of the batch's `num_seqs` sequences into `out`, each
- * over its last `sliding_window` positions (0: all of them). Returns 0, or -1 when the shapes
- * are outside
+ * over its last `sliding_window` positions (0: all of them), except the sequences with at least
+ * `long_chunk_tokens` new tokens (0: none), whose rows of `out` are left to the caller: on a long
+ * context a GEMM-based attention does those faster. Returns 0, or -1 when the shapes are outside
  * what this kernel handles (head_dim a multiple of 16 up to 256, block_size a multiple of 16,
  * at most 16 query heads per KV head) or memory runs out. */
 int paged_attention(
     const void *query, int64_t query_token_stride, int64_t query_head_stride, int query_dtype,
     const void *kv_cache, int cache_dtype, int64_t num_blocks, int block_size, int num_kv_heads, int head_dim,
     const int32_t *block_tables, int64_t block_table_stride, const int32_t *query_start_loc,
-    const int32_t *seq_lens, int num_seqs, int num_heads, int sliding_window, float scale, void *out,
-    int num_threads)
+    const int32_t *seq_lens, int num_seqs, int num_heads, int sliding_window, int long_chunk_tokens, float scale,
+    void *out, int num_threads)
 {
     if (head_dim % LANES || head_dim > MAX_CHUNKS * LANES || block_size % LANES
         || num_heads / num_kv_heads > MAX_GROUP)
@@ -182,7 +183,7 @@ int paged_attention(
     int64_t num_tiles = 0;
     for (int s = 0; s < num_seqs; s++) {
         const int tokens = query_start_loc[s + 1] - query_start_loc[s];
-        num_tiles += (tokens + QUERY_TILE - 1) / QUERY_TILE;
+        if (!long_chunk_tokens || tokens < long_chunk_tokens) num_tiles += (tokens + QUERY_TILE - 1) / QUERY_TILE;
     }
     /* tile_seq[i], tile_row[i]: the sequence and first query row of tile i. */
     int32_t *tile_seq = malloc(sizeof(int32_t) * (num_tiles + 1));
@@ -194,6 +195,7 @@ int paged_attention(
     }
     int64_t n = 0;
     for (int s = 0; s < num_seqs; s++) {
+        if (long_chunk_tokens && query_start_loc[s + 1] - query_start_loc[s] >= long_chunk_tokens) continue;
         for (int64_t row = query_start_loc[s]; row < query_start_loc[s + 1]; row += QUERY_TILE) {
             tile_seq[n] = s;
             tile_row[n++] = row;

@@ -16,6 +16,9 @@ from strata.worker.attention import CpuAttentionBackend, get_attention_backend
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # Contexts longer than one 16-position tile and not a multiple of it, beside decodes.
 LONG_BATCH = ([1, 40, 1, 3, 24], [300, 40, 17, 129, 100])
+# Chunks at and past CpuAttentionBackend.LONG_CHUNK_TOKENS (64, left to torch's fused attention),
+# a whole prompt and one over cached context, beside a shorter chunk and decodes.
+BATCH_WITH_LONG_CHUNKS = ([1, 64, 1, 40, 100], [300, 64, 17, 129, 230])
 # One position, shorter and longer than a 16-position tile, longer than every context (= none).
 SLIDING_WINDOWS = [1, 5, 20, 1000]
 
@@ -85,11 +88,23 @@ def test_unsupported_shapes_are_refused_and_the_backend_falls_back(head_dim, blo
     assert_close(out, b.reference())
 
 
+def test_sequences_with_long_chunks_are_left_and_the_rest_computed():
+    b = make_batch(*BATCH_WITH_LONG_CHUNKS, 3, 64, 16, torch.bfloat16)
+    meta = b.meta
+    out = cpu_attention.paged_attention(
+        b.query, b.kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, b.scale, long_chunk_tokens=64
+    )
+    starts = meta.query_start_loc.tolist()
+    computed = [row for s in range(len(starts) - 1) if starts[s + 1] - starts[s] < 64 for row in range(starts[s], starts[s + 1])]
+    assert_close(out[computed], b.reference()[computed])
+
+
 @pytest.mark.parametrize("sliding_window", [None, 20])
-def test_cpu_backend_matches_torch_backend(sliding_window):
+@pytest.mark.parametrize("batch", [LONG_BATCH, BATCH_WITH_LONG_CHUNKS], ids=["short-chunks", "long-chunks"])
+def test_cpu_backend_matches_torch_backend(batch, sliding_window):
     """Whole forward: strided q/k/v views of one projection, K/V written, then attention."""
     group, head_dim = 3, 64
-    b = make_batch(*LONG_BATCH, group, head_dim, 16, torch.bfloat16)
+    b = make_batch(*batch, group, head_dim, 16, torch.bfloat16)
     caches, outs = forward_beside_torch_backend(CpuAttentionBackend(), b, sliding_window)
     torch.testing.assert_close(caches[0], caches[1], atol=0, rtol=0)
     assert_close(outs[0], outs[1])

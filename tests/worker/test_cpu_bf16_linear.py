@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from strata.launch.engine_args import EngineArgs
 from strata.worker import model_loader
@@ -116,3 +117,25 @@ def test_unknown_mode_is_rejected_naming_the_field() -> None:
         resolve_linear_dtype("fp16", torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="cpu_bf16_linear"):
         EngineArgs(cpu_bf16_linear="fp16")
+
+
+def test_widened_linears_keep_their_bfloat16_weight_for_decode_rows(checkpoint: Path) -> None:
+    native, widened = load_bf16(checkpoint, torch.bfloat16), load_bf16(checkpoint, torch.float32)
+    native_modules = dict(native.named_modules())
+    for name, module in widened.named_modules():
+        if isinstance(module, LINEARS):
+            assert torch.equal(module.bf16_weight, native_modules[name].weight)
+    tied = native.lm_head.weight.data_ptr() == native.model.embed_tokens.weight.data_ptr()
+    shares_the_embedding = widened.lm_head.bf16_weight.data_ptr() == widened.model.embed_tokens.weight.data_ptr()
+    assert shares_the_embedding == tied  # a tied head streams the embedding itself: no third copy
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17], ids=["one-row", "most-streamed-rows", "float32-gemm"])
+def test_a_widened_layer_gives_the_float32_gemm_at_any_row_count(rows: int) -> None:
+    layer = ColumnParallelLinear(64, [slice(0, 48)], bias=True, matrix_rows=[48])
+    layer.weight.data = torch.randn(48, 64).bfloat16()
+    layer.bias.data = torch.randn(48).bfloat16()
+    weight, bias = layer.weight.float(), layer.bias.float()
+    layer.widen_(torch.float32)
+    x = torch.randn(rows, 64).bfloat16()
+    torch.testing.assert_close(layer(x), F.linear(x.float(), weight, bias).bfloat16(), atol=1.6e-2, rtol=1.6e-2)

@@ -1,0 +1,52 @@
+"""``x W^T + b`` for the few rows of a decode step on the CPU, from bfloat16 weights
+(``csrc/small_batch_linear.c``), tested against ``F.linear`` in float32."""
+
+import torch
+
+from strata.kernels import native
+
+# At more rows than this the float32 GEMM is faster: the kernel is built to stream the weights,
+# not to block for compute (AVX2 EPYC, 2 cores, the default model's shapes: see the README).
+MAX_ROWS = 16
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``small_batch_linear`` takes these: at most ``MAX_ROWS`` contiguous rows on the CPU,
+    a contiguous bfloat16 weight whose input size is a multiple of 8, the C kernels built."""
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
+        and x.is_contiguous()
+        and x.dtype in native.DTYPE_CODES
+        and weight.dtype == torch.bfloat16
+        and weight.is_contiguous()
+        and weight.shape[1] % 8 == 0
+        and native.load_library() is not None
+    )
+
+
+def small_batch_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``x W^T + b`` accumulated in float32, rounded once to ``out_dtype`` (default ``x``'s), for
+    ``x`` ``[rows, in]`` and a bfloat16 ``weight`` ``[out, in]`` that ``supports`` accepts."""
+    if not supports(x, weight):
+        raise ValueError(
+            f"small_batch_linear needs at most {MAX_ROWS} contiguous rows and a contiguous bfloat16 weight "
+            f"with an input size a multiple of 8; got x {list(x.shape)} {x.dtype}, weight {list(weight.shape)} {weight.dtype}"
+        )
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} features, the weight {weight.shape[1]}")
+    out_dtype = out_dtype or x.dtype
+    if bias is not None:
+        bias = bias.float().contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
+    status = native.load_library().small_batch_linear(
+        x.data_ptr(), native.DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
+        bias.data_ptr() if bias is not None else None, out.data_ptr(), native.DTYPE_CODES[out_dtype],
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("small_batch_linear could not allocate its float32 copy of x")
+    return out
