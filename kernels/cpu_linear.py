@@ -12,7 +12,7 @@ MAX_ROWS = 16
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``small_batch_linear`` takes these: at most ``MAX_ROWS`` contiguous rows on the CPU,
-    a contiguous bfloat16 weight whose input size is a multiple of 8, the C kernels built."""
+    a contiguous bfloat16 weight whose input size is a multiple of 16, the C kernels built."""
     return (
         x.device.type == "cpu"
         and x.dim() == 2
@@ -21,7 +21,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.dtype in native.DTYPE_CODES
         and weight.dtype == torch.bfloat16
         and weight.is_contiguous()
-        and weight.shape[1] % 8 == 0
+        and weight.shape[1] % 16 == 0
         and native.load_library() is not None
     )
 
@@ -34,7 +34,7 @@ def small_batch_linear(
     if not supports(x, weight):
         raise ValueError(
             f"small_batch_linear needs at most {MAX_ROWS} contiguous rows and a contiguous bfloat16 weight "
-            f"with an input size a multiple of 8; got x {list(x.shape)} {x.dtype}, weight {list(weight.shape)} {weight.dtype}"
+            f"with an input size a multiple of 16; got x {list(x.shape)} {x.dtype}, weight {list(weight.shape)} {weight.dtype}"
         )
     if x.shape[1] != weight.shape[1]:
         raise ValueError(f"x has {x.shape[1]} features, the weight {weight.shape[1]}")
