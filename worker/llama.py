@@ -13,6 +13,7 @@ merged into one matmul each (``qkv_proj``, ``gate_up_proj``).
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedConfig
 
-from strata.kernels import cpu_layers
+from strata.kernels import cpu_decoder_layer, cpu_layers, cpu_linear
 from strata.worker.attention import AttentionMetadata
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.tp_layers import (
@@ -38,6 +39,8 @@ _MERGED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("
 
 class AttentionBackend(Protocol):
     """What the model needs from an attention backend (see ``worker.attention``)."""
+
+    name: str  # "cpu" for the C kernels, whose decode steps a layer may fuse
 
     def forward(
         self,
@@ -271,6 +274,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+@dataclass
+class FusedHalves:
+    """A layer's weights as the fused C halves read them (``kernels.cpu_decoder_layer``)."""
+
+    attention: cpu_decoder_layer.AttentionLayer
+    mlp: cpu_decoder_layer.MlpLayer
+
+
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention then pre-norm feed-forward, each norm fused with the preceding residual add.
 
@@ -283,6 +294,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
+        self.fused: FusedHalves | None = None  # see fuse_for_cpu_decode
 
     def forward(
         self,
@@ -292,12 +304,80 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        fused_step: cpu_decoder_layer.Step | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the layer's output and the residual stream it has not been added to yet."""
+        """Return the layer's output and the residual stream it has not been added to yet. With a
+        ``fused_step`` (``LlamaModel.fused_step``) a fused layer runs its C halves instead."""
+        if fused_step is not None and self.fused is not None:
+            fused = self._fused_forward(fused_step, kv_cache, hidden, residual)
+            if fused is not None:
+                return fused
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def fuse_for_cpu_decode(self) -> bool:
+        """Let decode steps run this layer as two C calls (``kernels.cpu_decoder_layer``) where
+        those compute exactly what the modules do: a Llama attention and MLP (not a family's
+        variant) on the ``cpu`` attention backend, whose four linears stream bfloat16 weights
+        (``tp_layers.linear``) and whose row-parallel linears have no bias. Returns whether it did."""
+        attn, mlp = self.self_attn, self.mlp
+        if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP or attn.attn_backend.name != "cpu":
+            return False
+        column_parallel, row_parallel = (attn.qkv_proj, mlp.gate_up_proj), (attn.o_proj, mlp.down_proj)
+        if any(layer.bias is not None for layer in row_parallel) or any(
+            layer.bias is not None and (layer.bias.dtype != torch.float32 or not layer.bias.is_contiguous())
+            for layer in column_parallel
+        ):
+            return False
+        weights = [layer.bf16_weight for layer in (*column_parallel, *row_parallel)]
+        if not all(weight is not None and cpu_linear.supports_weight(weight) for weight in weights):
+            return False
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if not all(norm.weight.is_contiguous() for norm in norms):
+            return False
+        qkv, gate_up, o_proj, down = weights
+        self.fused = FusedHalves(
+            attention=cpu_decoder_layer.AttentionLayer(
+                input_norm=self.input_layernorm.weight.data_ptr(),
+                qkv=qkv.data_ptr(),
+                qkv_bias=attn.qkv_proj.bias.data_ptr() if attn.qkv_proj.bias is not None else None,
+                o_proj=o_proj.data_ptr(),
+                hidden=self.input_layernorm.weight.numel(),
+                heads=attn.num_heads,
+                kv_heads=attn.num_kv_heads,
+                head_dim=attn.head_dim,
+                sliding_window=attn.sliding_window or 0,
+                eps=self.input_layernorm.eps,
+                scale=attn.scale,
+            ),
+            mlp=cpu_decoder_layer.MlpLayer(
+                post_attention_norm=self.post_attention_layernorm.weight.data_ptr(),
+                gate_up=gate_up.data_ptr(),
+                gate_up_bias=mlp.gate_up_proj.bias.data_ptr() if mlp.gate_up_proj.bias is not None else None,
+                down=down.data_ptr(),
+                hidden=self.post_attention_layernorm.weight.numel(),
+                intermediate=down.shape[1],
+                eps=self.post_attention_layernorm.eps,
+            ),
+        )
+        return True
+
+    def _fused_forward(
+        self, step: cpu_decoder_layer.Step, kv_cache: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The C halves with the all-reduces between them; None (nothing changed) where the
+        attention kernel does not take the cache's block size."""
+        assert self.fused is not None
+        cache = cpu_decoder_layer.kv_cache(kv_cache)
+        attended = cpu_decoder_layer.attention_block(self.fused.attention, step, cache, hidden, residual)
+        if attended is None:
+            return None
+        residual = hidden if residual is None else residual
+        hidden = self.self_attn.o_proj.tp.all_reduce(attended)
+        out = cpu_decoder_layer.mlp_block(self.fused.mlp, step, hidden, residual)
+        return self.mlp.down_proj.tp.all_reduce(out), residual
 
 
 class LlamaModel(nn.Module):
@@ -319,10 +399,22 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)
+        fused_step = self.fused_step(hidden, cos, sin, meta)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, fused_step)
         return self.norm(hidden, residual)[0]
+
+    def fused_step(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> cpu_decoder_layer.Step | None:
+        """The step's arguments for the layers' fused C halves, or None: no layer is fused, or
+        the step has more rows than they take."""
+        if self.layers[0].fused is None:
+            return None
+        return cpu_decoder_layer.decode_step(
+            hidden, cos, sin, meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens
+        )
 
 
 class LlamaForCausalLM(nn.Module):

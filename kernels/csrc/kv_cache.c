@@ -2,6 +2,7 @@
  * CPU (kernels/reference.py's write_kv_cache and copy_blocks, tested against them). */
 #include <stdint.h>
 
+#include "kernels.h"
 #include "dtypes.h"
 
 /* Token t's key and value rows (num_kv_heads * head_dim elements of `dtype`, at key +

@@ -5,6 +5,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "vector_math.h"
 
 /* Below this many elements a call runs on one thread: waking the others costs more. */

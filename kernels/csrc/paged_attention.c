@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "vector_math.h"
 
 enum { QUERY_TILE = 8, MAX_GROUP = 16, MAX_CHUNKS = 16 };
@@ -164,6 +165,13 @@ static void attend_item(const Batch *b, int seq, int64_t row, int num_tokens, in
     }
 }
 
+/* Whether paged_attention handles these shapes (kernels/cpu_attention.py's `supports`). */
+int paged_attention_supports(int num_heads, int num_kv_heads, int head_dim, int block_size)
+{
+    return head_dim % LANES == 0 && head_dim <= MAX_CHUNKS * LANES && block_size % LANES == 0
+           && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= MAX_GROUP;
+}
+
 /* Attention of the new tokens of every one of the batch's `num_seqs` sequences into `out`, each
  * over its last `sliding_window` positions (0: all of them), except the sequences with at least
  * `long_chunk_tokens` new tokens (0: none), whose rows of `out` are left to the caller: on a long
@@ -177,9 +185,7 @@ int paged_attention(
     const int32_t *seq_lens, int num_seqs, int num_heads, int sliding_window, int long_chunk_tokens, float scale,
     void *out, int num_threads)
 {
-    if (head_dim % LANES || head_dim > MAX_CHUNKS * LANES || block_size % LANES
-        || num_heads / num_kv_heads > MAX_GROUP)
-        return -1;
+    if (!paged_attention_supports(num_heads, num_kv_heads, head_dim, block_size)) return -1;
     int64_t num_tiles = 0;
     for (int s = 0; s < num_seqs; s++) {
         const int tokens = query_start_loc[s + 1] - query_start_loc[s];

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "dtypes.h"
 
 /* Weight rows are a few KB each: too short for the hardware prefetcher to ramp up before a block

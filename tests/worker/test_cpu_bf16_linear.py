@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from strata.kernels import cpu_linear
 from strata.launch.engine_args import EngineArgs
 from strata.worker import model_loader
 from strata.worker.attention import get_attention_backend
@@ -130,7 +131,9 @@ def test_widened_linears_keep_their_bfloat16_weight_for_decode_rows(checkpoint: 
     assert shares_the_embedding == tied  # a tied head streams the embedding itself: no third copy
 
 
-@pytest.mark.parametrize("rows", [1, 16, 17], ids=["one-row", "most-streamed-rows", "float32-gemm"])
+@pytest.mark.parametrize(
+    "rows", [1, cpu_linear.MAX_ROWS, cpu_linear.MAX_ROWS + 1], ids=["one-row", "most-streamed-rows", "float32-gemm"]
+)
 def test_a_widened_layer_gives_the_float32_gemm_at_any_row_count(rows: int) -> None:
     layer = ColumnParallelLinear(64, [slice(0, 48)], bias=True, matrix_rows=[48])
     layer.weight.data = torch.randn(48, 64).bfloat16()

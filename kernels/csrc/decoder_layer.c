@@ -1,0 +1,132 @@
+/* A Llama decoder layer's two halves for the few rows of a decode step, one call each.
+ *
+ * At a handful of rows each of a layer's ten kernels does a few microseconds of work, and the
+ * Python around each call (argument checks, allocations, module dispatch, all of it cold after
+ * the weights have streamed through the caches) cost more than the kernels themselves: about
+ * 10 ms of a 30 ms step for the default model on the AVX2 EPYC. These run the same kernels
+ * in the same order with the same roundings as the module path of worker/llama.py, so their
+ * results are identical to it; only the Python between them is gone. The halves split where
+ * tensor parallelism all-reduces: after the attention's output projection and after the MLP.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "dtypes.h"
+#include "kernels.h"
+
+/* One layer's attention half: weights in the layout worker/llama.py holds them. */
+struct AttentionLayer {
+    const void *input_norm;      /* [hidden] of the activations' dtype */
+    const uint16_t *qkv;         /* bfloat16 [(heads + 2 kv_heads) head_dim, hidden] */
+    const float *qkv_bias;       /* [(heads + 2 kv_heads) head_dim] or NULL */
+    const uint16_t *o_proj;      /* bfloat16 [hidden, heads head_dim] */
+    int32_t hidden, heads, kv_heads, head_dim, sliding_window; /* sliding_window 0: full attention */
+    float eps, scale;
+};
+
+/* One layer's MLP half. */
+struct MlpLayer {
+    const void *post_attention_norm; /* [hidden] of the activations' dtype */
+    const uint16_t *gate_up;         /* bfloat16 [2 intermediate, hidden] */
+    const float *gate_up_bias;       /* [2 intermediate] or NULL */
+    const uint16_t *down;            /* bfloat16 [hidden, intermediate] */
+    int32_t hidden, intermediate;
+    float eps;
+};
+
+/* What every layer of one step shares: the rows, their rotary angles and where their keys and
+ * values go (kernels/reference.py's attention metadata). */
+struct DecodeStep {
+    int64_t rows;
+    int32_t dtype, num_threads;
+    const float *cos, *sin;       /* [rows, head_dim / 2] */
+    const int64_t *slot_mapping;  /* [rows] */
+    const int32_t *block_tables;  /* [num_seqs, block_table_stride] */
+    int64_t block_table_stride;
+    const int32_t *query_start_loc, *seq_lens;
+    int32_t num_seqs;
+};
+
+/* The paged cache a layer reads and writes: [2, num_blocks, block_size, kv_heads, head_dim]. */
+struct KvCache {
+    void *data;
+    int64_t num_blocks;
+    int32_t block_size, dtype;
+};
+
+enum { FUSED_OK = 0, FUSED_NO_MEMORY = -1, FUSED_SLOT_OUTSIDE_CACHE = -2, FUSED_UNSUPPORTED_SHAPE = -3 };
+
+/* out = o_proj(attention(rotary(qkv(norm(hidden + residual))))), for the step's rows; the sum
+ * hidden + residual is written into `residual` (NULL: hidden is the first layer's input and
+ * itself the residual). `out` holds partial sums when the heads are split across ranks. Returns
+ * FUSED_OK, or before touching anything FUSED_UNSUPPORTED_SHAPE (the attention kernel does not
+ * take these shapes), or FUSED_SLOT_OUTSIDE_CACHE / FUSED_NO_MEMORY. */
+int attention_block(const struct AttentionLayer *layer, const struct DecodeStep *step, const struct KvCache *cache,
+                    const void *hidden, void *residual, void *out)
+{
+    if (!paged_attention_supports(layer->heads, layer->kv_heads, layer->head_dim, cache->block_size))
+        return FUSED_UNSUPPORTED_SHAPE;
+    const int64_t rows = step->rows;
+    const int dtype = step->dtype, threads = step->num_threads;
+    const size_t item = dtype_size(dtype);
+    const int64_t q_width = (int64_t)layer->heads * layer->head_dim, kv_width = (int64_t)layer->kv_heads * layer->head_dim;
+    const int64_t qkv_width = q_width + 2 * kv_width;
+    char *normed = malloc(rows * layer->hidden * item), *qkv = malloc(rows * qkv_width * item);
+    char *attended = malloc(rows * q_width * item);
+    int status = normed && qkv && attended ? FUSED_OK : FUSED_NO_MEMORY;
+    if (status == FUSED_OK) {
+        rms_norm(hidden, residual, layer->input_norm, normed, rows, layer->hidden, dtype, layer->eps, threads);
+        status = small_batch_linear(normed, dtype, rows, layer->hidden, layer->qkv, qkv_width, layer->qkv_bias, qkv,
+                                    dtype, threads);
+    }
+    if (status == FUSED_OK) {
+        /* q and k heads sit side by side at the start of each row: one rotation covers both. */
+        rotary_embedding(qkv, qkv_width, rows, layer->heads + layer->kv_heads, layer->head_dim, dtype, step->cos,
+                         step->sin, threads);
+        const char *keys = qkv + q_width * item, *values = qkv + (q_width + kv_width) * item;
+        if (write_kv_cache(keys, qkv_width, values, qkv_width, dtype, cache->data,
+                           cache->num_blocks * cache->block_size, cache->dtype, (int)kv_width, step->slot_mapping,
+                           rows))
+            status = FUSED_SLOT_OUTSIDE_CACHE;
+    }
+    if (status == FUSED_OK
+        && paged_attention(qkv, qkv_width, layer->head_dim, dtype, cache->data, cache->dtype, cache->num_blocks,
+                           cache->block_size, layer->kv_heads, layer->head_dim, step->block_tables,
+                           step->block_table_stride, step->query_start_loc, step->seq_lens, step->num_seqs,
+                           layer->heads, layer->sliding_window, 0, layer->scale, attended, threads))
+        status = FUSED_NO_MEMORY;
+    if (status == FUSED_OK)
+        status = small_batch_linear(attended, dtype, rows, q_width, layer->o_proj, layer->hidden, NULL, out, dtype,
+                                    threads);
+    free(normed);
+    free(qkv);
+    free(attended);
+    return status;
+}
+
+/* out = down(silu(gate) * up) of gate_up(norm(hidden + residual)), the sum written into
+ * `residual` as in attention_block. Returns FUSED_OK or FUSED_NO_MEMORY. */
+int mlp_block(const struct MlpLayer *layer, const struct DecodeStep *step, const void *hidden, void *residual,
+              void *out)
+{
+    const int64_t rows = step->rows;
+    const int dtype = step->dtype, threads = step->num_threads;
+    const size_t item = dtype_size(dtype);
+    char *normed = malloc(rows * layer->hidden * item), *gate_up = malloc(rows * 2 * layer->intermediate * item);
+    char *activated = malloc(rows * layer->intermediate * item);
+    int status = normed && gate_up && activated ? FUSED_OK : FUSED_NO_MEMORY;
+    if (status == FUSED_OK) {
+        rms_norm(hidden, residual, layer->post_attention_norm, normed, rows, layer->hidden, dtype, layer->eps, threads);
+        status = small_batch_linear(normed, dtype, rows, layer->hidden, layer->gate_up, 2 * layer->intermediate,
+                                    layer->gate_up_bias, gate_up, dtype, threads);
+    }
+    if (status == FUSED_OK) {
+        silu_and_mul(gate_up, activated, rows, layer->intermediate, dtype, threads);
+        status = small_batch_linear(activated, dtype, rows, layer->intermediate, layer->down, layer->hidden, NULL, out,
+                                    dtype, threads);
+    }
+    free(normed);
+    free(gate_up);
+    free(activated);
+    return status;
+}

@@ -1,0 +1,22 @@
+/* The kernels that other kernels call: decoder_layer.c strings them together. */
+#pragma once
+#include <stdint.h>
+
+void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int width, int dtype,
+              float eps, int num_threads);
+void rotary_embedding(void *x, int64_t row_stride, int64_t rows, int heads, int head_dim, int dtype,
+                      const float *cos, const float *sin, int num_threads);
+void silu_and_mul(const void *gate_up, void *out, int64_t rows, int width, int dtype, int num_threads);
+int write_kv_cache(const void *key, int64_t key_stride, const void *value, int64_t value_stride, int dtype,
+                   void *kv_cache, int64_t num_slots, int cache_dtype, int row_width, const int64_t *slot_mapping,
+                   int64_t num_tokens);
+int paged_attention_supports(int num_heads, int num_kv_heads, int head_dim, int block_size);
+int paged_attention(
+    const void *query, int64_t query_token_stride, int64_t query_head_stride, int query_dtype,
+    const void *kv_cache, int cache_dtype, int64_t num_blocks, int block_size, int num_kv_heads, int head_dim,
+    const int32_t *block_tables, int64_t block_table_stride, const int32_t *query_start_loc,
+    const int32_t *seq_lens, int num_seqs, int num_heads, int sliding_window, int long_chunk_tokens, float scale,
+    void *out, int num_threads);
+int small_batch_linear(
+    const void *x, int x_dtype, int64_t rows, int64_t in_features, const uint16_t *weight, int64_t out_features,
+    const float *bias, void *out, int out_dtype, int num_threads);
