@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -28,7 +29,6 @@ from transformers import (
     AutoTokenizer,
     GgufConfig,
     PreTrainedConfig,
-    PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
@@ -39,6 +39,9 @@ from strata.worker.llama import AttentionBackend, LlamaDecoderLayer, LlamaForCau
 from strata.worker.model_registry import model_class
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TensorSource
+
+if TYPE_CHECKING:  # importing it at run time loads transformers' modeling code: ~3 s per process
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +173,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _add_gemma3_chat_conventions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
+def _add_gemma3_chat_conventions(model: "PreTrainedModel", tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
     """What Gemma 3's own checkpoints carry and its GGUF files lose: the chat template (when the
     file has none) and ``<end_of_turn>`` as a second EOS id in the generation config, so a chat
     answer stops at the end of its turn (as with the HF checkpoint in vLLM and transformers)."""
