@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Where an engine step's time goes, on the CPU, in one process (``--executor uni``).
+
+    python benchmarks/step_profile.py [--num-prompts 1] [--input-len 40] [--output-len 128]
+
+Runs the prompts once untimed, then again with wall-clock timers around the parts of a step (no
+profiler: its per-call cost would distort a step made of many small calls) and prints a Markdown
+table of milliseconds per step. The parts nest: the decoder holds the fused layer halves (decode
+steps of few rows, ``kernels/cpu_decoder_layer.py``) and the linears of the module path (steps
+with more rows); whatever a part does not name is its "rest" row.
+"""
+
+import argparse
+import collections
+import time
+from collections.abc import Callable
+
+from strata.engine_core.sampling_params import SamplingParams
+from strata.kernels import cpu_decoder_layer
+from strata.launch.llm import LLM
+from strata.worker import model_runner, tp_layers
+
+Timers = collections.defaultdict[str, float]
+
+
+def time_calls(owner: object, name: str, part: str, timers: Timers, calls: collections.Counter[str]) -> None:
+    """Replace ``owner.name`` by a wrapper that adds its wall time to ``timers[part]`` and counts
+    its calls in ``calls[part]``."""
+    original: Callable[..., object] = getattr(owner, name)
+
+    def timed(*args: object, **kwargs: object) -> object:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            timers[part] += time.perf_counter() - start
+            calls[part] += 1
+
+    setattr(owner, name, timed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=40)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+
+    llm = LLM(executor="uni", dtype=args.dtype)
+    core = llm.engine.core
+    runner = core.executor.runner
+    timers: Timers = collections.defaultdict(float)
+    calls: collections.Counter[str] = collections.Counter()
+    time_calls(core, "step", "step", timers, calls)
+    time_calls(runner, "execute", "execute", timers, calls)
+    time_calls(runner.batch, "prepare", "input preparation", timers, calls)
+    time_calls(runner.model, "forward", "decoder", timers, calls)
+    time_calls(cpu_decoder_layer, "attention_block", "fused attention halves", timers, calls)
+    time_calls(cpu_decoder_layer, "mlp_block", "fused MLP halves", timers, calls)
+    time_calls(tp_layers, "linear", "module-path linears", timers, calls)
+    time_calls(runner.model, "compute_logits", "LM head", timers, calls)
+    time_calls(model_runner, "sample", "sampler", timers, calls)
+
+    prompts = [[1000 + (i * 7 + j) % 20000 for j in range(args.input_len)] for i in range(args.num_prompts)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    llm.reset_prefix_cache()
+    timers.clear()
+    calls.clear()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    steps = calls["step"]
+    ms = {part: seconds * 1e3 / steps for part, seconds in timers.items()}
+
+    decoder_parts = ["fused attention halves", "fused MLP halves", "module-path linears"]
+    execute_parts = ["input preparation", "decoder", "LM head", "sampler"]
+    rows = [("EngineCore step", ms["step"]), ("model runner execute", ms["execute"])]
+    for part in execute_parts:
+        rows.append((f"execute / {part}", ms.get(part, 0.0)))
+        if part == "decoder":
+            rows += [(f"execute / decoder / {name}", ms.get(name, 0.0)) for name in decoder_parts]
+            rows.append(("execute / decoder / rest (embedding, rotary angles, module-path kernels, Python)",
+                         ms["decoder"] - sum(ms.get(name, 0.0) for name in decoder_parts)))
+    rows.append(("execute / rest (batch update, metadata, sampled tokens)",
+                 ms["execute"] - sum(ms.get(part, 0.0) for part in execute_parts)))
+    rows.append(("scheduler and output processing", ms["step"] - ms["execute"]))
+    print(f"{args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len}, {args.dtype}: "
+          f"{elapsed * 1e3 / steps:.1f} ms per step, {args.num_prompts * args.output_len / elapsed:.1f} output tokens/s")
+    print("| part | ms per step | share of the step |")
+    print("|---|---|---|")
+    for part, value in rows:
+        print(f"| {part} | {value:.2f} | {value / ms['step']:.0%} |")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
