@@ -54,10 +54,6 @@ class Step:
     tensors: tuple[torch.Tensor, ...]
 
 
-def is_available() -> bool:
-    return native.load_library() is not None
-
-
 def decode_step(
     hidden: torch.Tensor,
     cos: torch.Tensor,
@@ -76,7 +72,7 @@ def decode_step(
         or hidden.shape[0] > cpu_linear.MAX_ROWS
         or hidden.dtype not in native.DTYPE_CODES
         or not hidden.is_contiguous()
-        or not is_available()
+        or native.load_library() is None
     ):
         return None
     tensors = (cos, sin, slot_mapping, block_tables, query_start_loc, seq_lens)
