@@ -30,6 +30,13 @@ def poll_until(subscriber: KVEventSubscriber, count: int, timeout_s: float = 10.
     return batches
 
 
+def wait_until_sent(publisher: KVEventPublisher, seq: int) -> None:
+    """The publisher's thread sends in the background; this waits until it sent `seq`."""
+    deadline = time.monotonic() + 10
+    while (not publisher._buffer or publisher._buffer[-1][0] != seq) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_a_late_subscriber_gets_the_batches_it_missed_from_the_replay_socket(endpoints):
     publisher = KVEventPublisher(*endpoints)
     context = zmq.Context()
@@ -56,6 +63,7 @@ def test_batches_older_than_the_replay_buffer_are_counted_lost(endpoints):
     try:
         for index in range(8):
             publisher.publish([stored(index)])
+        wait_until_sent(publisher, 7)  # else a slow thread sends them live to the subscriber
         subscriber = KVEventSubscriber(context, *endpoints)
         time.sleep(0.2)
         publisher.publish([stored(8)])
@@ -72,9 +80,7 @@ def test_the_replay_buffer_stays_bounded_with_nobody_listening(endpoints):
     try:
         for index in range(2000):
             publisher.publish([stored(index)])
-        deadline = time.monotonic() + 10
-        while publisher._buffer[-1][0] != 1999 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until_sent(publisher, 1999)
         assert len(publisher._buffer) == 16 and publisher._buffer[0][0] == 1984
     finally:
         publisher.close()
