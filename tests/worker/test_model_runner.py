@@ -1,5 +1,6 @@
 """The model runner's step on a tiny random model: what a step computes and reports."""
 
+import psutil
 import pytest
 
 from strata.engine_core.protocol import CachedRequestData, NewRequestData, SchedulerOutput, pack_handles
@@ -34,3 +35,10 @@ def test_logprobs_come_only_for_the_chunk_that_ends_the_prompt(runner):
     output = runner.execute(rest)
     assert list(output.logprobs) == [0]
     assert len(output.logprobs[0].token_ids) == 1 + 3
+
+
+def test_a_kv_cache_beyond_the_machines_memory_is_refused_at_start(tmp_path):
+    save_tiny_model(tiny_llama_config(), tmp_path)
+    config = WorkerConfig(model=str(tmp_path), dtype="float32", kv_cache_memory=psutil.virtual_memory().total * 2)
+    with pytest.raises(ValueError, match="more than the .* GiB of memory available"):
+        ModelRunner(config, SINGLE_RANK)
