@@ -52,10 +52,14 @@ class ModelRunner:
         self.block_size = config.block_size
         graph_sizes = self._graph_sizes()
         self.num_blocks = self._num_blocks(graph_sizes)
+        cache_shape = (2, self.num_blocks, self.block_size, self.model.num_kv_heads_per_rank, self.model.head_dim)
         if self.device.type == "cpu":
             check_kv_cache_fits(self.num_blocks * self.bytes_per_block())
-        cache_shape = (2, self.num_blocks, self.block_size, self.model.num_kv_heads_per_rank, self.model.head_dim)
-        self.kv_caches = [self._zeroed_cache(cache_shape) for _ in range(self.model.num_layers)]
+            self.kv_caches = [zeroed_cpu_tensor(cache_shape, self.cache_dtype) for _ in range(self.model.num_layers)]
+        else:
+            self.kv_caches = [
+                torch.zeros(cache_shape, dtype=self.cache_dtype, device=self.device) for _ in range(self.model.num_layers)
+            ]
         self.graphs = None
         if graph_sizes:
             self.graphs = CudaGraphRunner(
@@ -69,11 +73,6 @@ class ModelRunner:
         if self.num_cpu_blocks:
             factor = (config.kv_offload_block_size or self.block_size) // self.block_size
             self.offload = OffloadingConnectorWorker(self.kv_caches, self.num_cpu_blocks * factor)
-
-    def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return zeroed_cpu_tensor(shape, self.cache_dtype)
-        return torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
 
     def _num_cpu_blocks(self) -> int:
         """Offload blocks in this rank's share of the CPU tier (the engine uses the smallest)."""
