@@ -12,7 +12,7 @@ import threading
 import msgspec
 import zmq
 
-from strata.engine_core.engine_core import EngineCore
+from strata.engine_core.core import EngineCore
 from strata.engine_core.ipc import make_socket
 from strata.engine_core.protocol import (
     AbortRequests,

@@ -14,9 +14,9 @@ from typing import TypeVar
 
 from strata.engine_core.protocol import EngineCoreOutputs, SchedulerStats
 from strata.engine_core.sampling_params import SamplingParams
-from strata.launch.data_parallel.replicas import AsyncDPClient
-from strata.launch.engine.core_client import AsyncCoreClient, EngineDeadError
-from strata.launch.engine_args import EngineArgs, ResolvedConfig, resolve
+from strata.runtime.data_parallel.replicas import AsyncDPClient
+from strata.runtime.core_client import AsyncCoreClient, EngineDeadError
+from strata.runtime.engine_args import EngineArgs, ResolvedConfig, resolve
 from strata.launch.output_processor import CompletionDelta, OutputProcessor
 from strata.launch.outputs import RequestOutput
 from strata.launch.prompts import encode_text

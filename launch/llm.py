@@ -8,8 +8,10 @@ from transformers import PreTrainedTokenizerBase
 
 from strata.engine_core.protocol import SchedulerStats
 from strata.engine_core.sampling_params import SamplingParams
-from strata.launch.engine_args import EngineArgs, resolve
-from strata.launch.engine.engine_client import start_engine
+from strata.runtime.core_client import SyncCoreClient
+from strata.runtime.data_parallel.replicas import SyncDPClient
+from strata.runtime.engine_args import EngineArgs, ResolvedConfig, resolve
+from strata.runtime.inproc_client import InprocClient
 from strata.launch.output_processor import OutputProcessor
 from strata.launch.outputs import RequestOutput
 from strata.launch.prompts import encode_chat, encode_text
@@ -17,6 +19,16 @@ from strata.launch.tokenizer import load_tokenizer
 
 Prompt = str | list[int]
 Message = dict[str, str]
+
+
+def start_engine(args: EngineArgs, resolved: ResolvedConfig) -> InprocClient | SyncCoreClient | SyncDPClient:
+    """The client ``LLM`` drives: data-parallel replicas, the EngineCore in this process
+    (``--executor uni``), or an EngineCore process with its workers."""
+    if args.data_parallel_size > 1:
+        return SyncDPClient(args, resolved)
+    if args.executor == "uni":
+        return InprocClient.start(resolved)
+    return SyncCoreClient(resolved)
 
 
 class LLM:

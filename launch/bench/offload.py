@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from strata.engine_core.sampling_params import SamplingParams
 from strata.launch.bench.throughput import CORPUS, cyclic_slice
-from strata.launch.engine_args import EngineArgs
+from strata.runtime.engine_args import EngineArgs
 from strata.launch.llm import LLM
 
 

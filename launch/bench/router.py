@@ -8,7 +8,7 @@ import time
 import tracemalloc
 
 from strata.engine_core.kv_events import GPU_TIER, BlockRemoved, BlockStored
-from strata.launch.data_parallel.router import Router
+from strata.runtime.data_parallel.router import Router
 
 NUM_HASHES = 200_000
 HASHES_PER_EVENT = 32

@@ -206,7 +206,7 @@ def _rss_by_process(server: psutil.Process) -> dict[str, int]:
     for child in server.children(recursive=True):
         try:
             command = " ".join(child.cmdline())
-            if "engine_process" in command:
+            if "core_process" in command:
                 name = "engine-core"
             elif "worker_process" in command:
                 name, workers = f"worker-{workers}", workers + 1

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from strata.engine_core.sampling_params import SamplingParams
-from strata.launch.engine.core_client import SyncCoreClient
+from strata.runtime.core_client import SyncCoreClient
 from strata.launch.llm import LLM
 from strata.worker.model_loader import resolve_dtype
 

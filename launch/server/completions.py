@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from strata.engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from strata.launch.async_engine import AsyncEngine
-from strata.launch.engine.core_client import EngineDeadError
+from strata.runtime.core_client import EngineDeadError
 from strata.launch.server.metrics import ServerMetrics
 from strata.launch.server.structured import logit_bias_of, structured_outputs_of
 from strata.launch.server.tool_calls import ToolPlan, template_messages, tool_plan

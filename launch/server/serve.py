@@ -14,7 +14,7 @@ from types import FrameType
 import uvicorn
 
 from strata.launch.async_engine import AsyncEngine
-from strata.launch.engine_args import EngineArgs
+from strata.runtime.engine_args import EngineArgs
 from strata.launch.server.app import AppOptions, build_app
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from connector_helpers import OffloadingFakeRunner, make_engine, make_request
-from strata.engine_core.engine_core import EngineCore
+from strata.engine_core.core import EngineCore
 from strata.engine_core.kv_events import CPU_TIER, GPU_TIER, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from strata.engine_core.scheduler import SchedulerConfig
 from strata.connector.offloading_scheduler import OffloadingConnectorScheduler

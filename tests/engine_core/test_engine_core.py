@@ -1,7 +1,7 @@
 """The EngineCore's own checks, with a model-free executor: every token id that would reach a
 worker is checked against the vocabulary before the request is queued."""
 
-from strata.engine_core.engine_core import EngineCore
+from strata.engine_core.core import EngineCore
 from strata.engine_core.protocol import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 from strata.engine_core.sampling_params import SamplingParams
 from strata.engine_core.scheduler import SchedulerConfig

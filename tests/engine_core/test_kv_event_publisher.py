@@ -8,7 +8,7 @@ import zmq
 
 from strata.engine_core.ipc import IpcDir
 from strata.engine_core.kv_events import GPU_TIER, BlockRemoved, BlockStored, KVEventPublisher
-from strata.launch.data_parallel.kv_event_subscriber import KVEventSubscriber
+from strata.runtime.data_parallel.kv_event_subscriber import KVEventSubscriber
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@
 
 import pytest
 
-from strata.launch.cli import build_parser
-from strata.launch.engine_args import EngineArgs
+from strata.launch.cli.main import build_parser
+from strata.runtime.engine_args import EngineArgs
 
 
 def test_gpu_flags_parse_into_engine_args() -> None:

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from strata.engine_core.kv_events import CPU_TIER, GPU_TIER, AllBlocksCleared, BlockRemoved, BlockStored
-from strata.launch.data_parallel.router import Router
+from strata.runtime.data_parallel.router import Router
 
 BLOCK = 4
 

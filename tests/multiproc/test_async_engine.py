@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from strata.launch.async_engine import AsyncEngine
-from strata.launch.engine_args import EngineArgs
+from strata.runtime.engine_args import EngineArgs
 from strata.engine_core.sampling_params import SamplingParams
 
 from model_factory import save_tiny_model, tiny_llama_config

@@ -7,11 +7,11 @@ import time
 import msgspec
 import zmq
 
-from strata.engine_core.engine_core import EngineCore
+from strata.engine_core.core import EngineCore
 from strata.engine_core.protocol import EngineCoreRequest, ModelRunnerOutput, pack_tokens
 from strata.engine_core.sampling_params import SamplingParams
 from strata.engine_core.scheduler import SchedulerConfig
-from strata.launch.executors.mp_executor import MultiprocExecutor
+from strata.runtime.executors.mp_executor import MultiprocExecutor
 from strata.worker.config import WorkerConfig
 
 from model_factory import hf_greedy, random_prompts, save_tiny_model, tiny_llama_config

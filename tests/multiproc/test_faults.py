@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from strata import LLM, SamplingParams
-from strata.launch.engine.core_client import EngineDeadError
+from strata.runtime.core_client import EngineDeadError
 
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 

@@ -5,7 +5,7 @@ from transformers import AutoTokenizer
 
 from strata.engine_core.protocol import KVConnectorOutput
 from strata import LLM, SamplingParams
-from strata.launch.executors.zmq_executor import TransferTally
+from strata.runtime.executors.zmq_executor import TransferTally
 
 OFFLOAD_BYTES = 256 * 1024 * 1024
 

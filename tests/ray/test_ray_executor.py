@@ -10,7 +10,7 @@ import ray
 
 from strata.engine_core.ipc import free_tcp_port
 from strata import LLM, SamplingParams
-from strata.launch.engine.core_client import EngineDeadError
+from strata.runtime.core_client import EngineDeadError
 
 from conftest import descendants, live, rank_workers, wait_until_none_left
 from prefix_cache_checks import check_reset_prefix_cache_forgets_seen_prompts

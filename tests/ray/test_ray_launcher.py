@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from strata.engine_core.ipc import free_tcp_port
-from strata.launch.executors.ray_launcher import LaunchError, RayNodeOptions, start_command, start_environment
+from strata.runtime.executors.ray_launcher import LaunchError, RayNodeOptions, start_command, start_environment
 
 from conftest import descendants, live, wait_until_none_left
 

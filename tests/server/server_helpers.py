@@ -32,14 +32,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-class ServerProcess:
-    """``strata serve`` in a subprocess; its output goes to ``log``."""
+CLI = (sys.executable, "-m", "strata.launch.cli")  # the strata under test, as this interpreter imports it
 
-    def __init__(self, log: Path, *flags: str) -> None:
+
+class ServerProcess:
+    """``strata serve`` in a subprocess; its output goes to ``log``. ``cli`` is how to run the
+    ``strata`` command (an installed script, say)."""
+
+    def __init__(self, log: Path, *flags: str, cli: tuple[str, ...] = CLI) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        command = [sys.executable, "-m", "strata.launch.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *flags]
+        command = [*cli, "serve", "--host", "127.0.0.1", "--port", str(self.port), *flags]
         # A temporary directory of its own, where its IPC directory goes: other jobs on the
         # machine make theirs in /tmp too. Short, since it ends up in socket paths.
         self.tmp = tempfile.mkdtemp(prefix="srv-")
@@ -73,7 +77,7 @@ class ServerProcess:
 
     def engine_core_pid(self) -> int:
         children = psutil.Process(self.pid).children()
-        [engine_core] = [child for child in children if "strata.launch.engine.engine_process" in " ".join(child.cmdline())]
+        [engine_core] = [child for child in children if "strata.runtime.core_process" in " ".join(child.cmdline())]
         return engine_core.pid
 
     def signal(self, signum: int) -> None:
@@ -128,9 +132,9 @@ def scrape(url: str) -> dict[str, float]:
 
 
 @contextmanager
-def running_server(log_dir: Path, *flags: str) -> Iterator[ServerProcess]:
+def running_server(log_dir: Path, *flags: str, cli: tuple[str, ...] = CLI) -> Iterator[ServerProcess]:
     """A healthy server with ``flags``, stopped (and checked for leftovers) on exit."""
-    server = ServerProcess(log_dir / f"server-{free_port()}.log", *flags)
+    server = ServerProcess(log_dir / f"server-{free_port()}.log", *flags, cli=cli)
     try:
         server.wait_until_healthy()
         yield server

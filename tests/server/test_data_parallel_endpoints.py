@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from strata.engine_core.protocol import SchedulerStats
-from strata.launch.engine.core_client import EngineDeadError
+from strata.runtime.core_client import EngineDeadError
 from strata.launch.server.app import AppOptions, build_app
 
 

@@ -163,7 +163,7 @@ def test_sigterm_while_the_engine_starts_exits_cleanly(log_dir):
     server = ServerProcess(log_dir / "starting.log", "--served-model-name", MODEL)
     try:
         deadline = time.monotonic() + 120
-        while not any("strata.launch.engine.engine_process" in " ".join(p.cmdline()) for p in psutil.Process(server.pid).children()):
+        while not any("strata.runtime.core_process" in " ".join(p.cmdline()) for p in psutil.Process(server.pid).children()):
             assert time.monotonic() < deadline and server.process.poll() is None, server.log_tail()
             time.sleep(0.2)
         server.signal(signal.SIGTERM)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels import cpu_linear
-from strata.launch.engine_args import EngineArgs
+from strata.runtime.engine_args import EngineArgs
 from strata.worker import model_loader
 from strata.worker.attention import get_attention_backend
 from strata.worker.llama import LlamaForCausalLM

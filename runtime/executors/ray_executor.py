@@ -28,8 +28,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from strata.engine_core.core_loop import ExecutorFailed
 from strata.engine_core.ipc import free_tcp_port
-from strata.launch.engine_args import RayConfig
-from strata.launch.executors.zmq_executor import RankExit, ZmqExecutor
+from strata.runtime.executors.ray_config import RayConfig
+from strata.runtime.executors.zmq_executor import RankExit, ZmqExecutor
 from strata.worker.config import WorkerConfig
 
 logger = logging.getLogger(__name__)

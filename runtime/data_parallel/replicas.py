@@ -15,10 +15,10 @@ from collections.abc import Callable
 import zmq
 
 from strata.engine_core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishedRequest, SchedulerStats
-from strata.launch.data_parallel.kv_event_subscriber import KVEventSubscriber
-from strata.launch.data_parallel.router import Router
-from strata.launch.engine.core_client import POLL_MS, AsyncCoreClient, EngineDeadError, SyncCoreClient
-from strata.launch.engine_args import EngineArgs, ResolvedConfig
+from strata.runtime.data_parallel.kv_event_subscriber import KVEventSubscriber
+from strata.runtime.data_parallel.router import Router
+from strata.runtime.core_client import POLL_MS, AsyncCoreClient, EngineDeadError, SyncCoreClient
+from strata.runtime.engine_args import EngineArgs, ResolvedConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The EngineCore process: ``python -m launch.engine_process`` with its config (msgpack) on
+"""The EngineCore process: ``python -m strata.runtime.core_process`` with its config (msgpack) on
 stdin. Starts the executor (and through it the workers), then serves the busy loop. It never
 imports torch: the workers do the tensor work."""
 
@@ -10,12 +10,13 @@ import msgspec
 import zmq
 
 from strata.engine_core.core_loop import EngineCoreLoop, ExecutorFailed
-from strata.engine_core.engine_core import EngineCore, Executor
+from strata.engine_core.core import EngineCore, Executor
 from strata.engine_core.ipc import IpcDir, die_with_parent
 from strata.engine_core.kv_events import KVEventPublisher
 from strata.engine_core.protocol import EngineReady
 from strata.engine_core.scheduler import SchedulerConfig
-from strata.launch.engine_args import RayConfig, make_offload_connector, tokenizer_json_path
+from strata.runtime.engine_args import make_offload_connector, tokenizer_json_path
+from strata.runtime.executors.ray_config import RayConfig
 from strata.worker.config import WorkerConfig
 
 logger = logging.getLogger("engine_core")
@@ -37,11 +38,11 @@ class EngineProcessConfig(msgspec.Struct):
 
 def build_executor(config: EngineProcessConfig) -> Executor:
     if config.executor == "mp":
-        from strata.launch.executors.mp_executor import MultiprocExecutor
+        from strata.runtime.executors.mp_executor import MultiprocExecutor
 
         return MultiprocExecutor(config.worker, config.ipc_dir, config.worker_timeout_s)
     if config.executor == "ray":
-        from strata.launch.executors.ray_executor import RayExecutor
+        from strata.runtime.executors.ray_executor import RayExecutor
 
         return RayExecutor(config.worker, config.ray or RayConfig(), config.worker_timeout_s)
     raise ValueError(f"unknown executor {config.executor!r}")

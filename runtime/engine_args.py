@@ -9,23 +9,13 @@ from pathlib import Path
 
 from strata.engine_core.kv_connector import SchedulerConnector
 from strata.engine_core.scheduler import SchedulerConfig
+from strata.runtime.executors.ray_config import RAY_PLACEMENT_STRATEGIES, RayConfig
 from strata.worker.config import WorkerConfig
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 LOAD_FORMATS = ("auto", "dummy")  # as worker.model_loader.LOAD_FORMATS, without importing torch here
 CPU_BF16_LINEAR_MODES = ("auto", "float32", "native")  # as worker.model_loader's
-RAY_PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
 DP_ROUTING_POLICIES = ("cache-aware", "least-loaded", "round-robin")
-
-
-@dataclass(frozen=True)
-class RayConfig:
-    """Where the Ray executor runs its ranks. ``address=None``: ``$RAY_ADDRESS``, else a private
-    local cluster. The placement group must be ready within ``placement_timeout_s``."""
-
-    address: str | None = None
-    placement_strategy: str = "PACK"
-    placement_timeout_s: float = 60.0
 
 
 @dataclass

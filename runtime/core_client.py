@@ -29,9 +29,9 @@ from strata.engine_core.protocol import (
     UtilityResponse,
     UtilityResult,
 )
-from strata.launch.engine_args import ResolvedConfig
-from strata.launch.engine.engine_process import INPUT_ENDPOINT, OUTPUT_ENDPOINT, EngineProcessConfig
-from strata.launch.engine.kv_event_endpoints import connectable, replica_event_endpoints
+from strata.runtime.engine_args import ResolvedConfig
+from strata.runtime.core_process import INPUT_ENDPOINT, OUTPUT_ENDPOINT, EngineProcessConfig
+from strata.runtime.kv_event_endpoints import connectable, replica_event_endpoints
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class EngineCoreProcess:
             config.scheduler, config.worker, config.executor, self.ipc.path, config.worker_timeout_s, config.ray,
             config.kv_offload_policy, event_endpoints,
         )
-        self.process = subprocess.Popen([sys.executable, "-m", "strata.launch.engine.engine_process"], stdin=subprocess.PIPE)
+        self.process = subprocess.Popen([sys.executable, "-m", "strata.runtime.core_process"], stdin=subprocess.PIPE)
         assert self.process.stdin is not None
         self.process.stdin.write(msgspec.msgpack.encode(process_config))
         self.process.stdin.close()

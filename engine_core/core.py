@@ -1,6 +1,6 @@
 """The EngineCore: scheduler + executor, one step at a time.
 
-This module is the loop body; ``launch/engine/engine_process.py`` runs it in its own process behind
+This module is the loop body; ``runtime/core_process.py`` runs it in its own process behind
 ZeroMQ sockets. An executor is anything that runs a ``SchedulerOutput`` on the workers.
 """
 

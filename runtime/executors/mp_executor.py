@@ -12,7 +12,7 @@ import time
 import msgspec
 
 from strata.engine_core.ipc import IpcDir, free_tcp_port
-from strata.launch.executors.zmq_executor import RankExit, ZmqExecutor
+from strata.runtime.executors.zmq_executor import RankExit, ZmqExecutor
 from strata.worker.config import WorkerConfig
 from strata.worker.devices import rank_device
 

@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import NoReturn
 
 from strata.engine_core.sampling_params import SamplingParams, StructuredOutputsParams
-from strata.launch import generate
+from strata.launch.cli import generate
 from strata.launch.bench import offload as bench_offload
 from strata.launch.bench import scheduler as bench_scheduler
 from strata.launch.bench import serve as bench_serve
 from strata.launch.bench import soak as bench_soak
 from strata.launch.bench import throughput as bench_throughput
-from strata.launch.executors import ray_launcher
+from strata.runtime.executors import ray_launcher
 from strata.launch.server import serve as server
-from strata.launch.engine_args import EngineArgs
+from strata.runtime.engine_args import EngineArgs
 from strata.launch.llm import LLM
 from strata.launch.server.app import DEFAULT_MAX_REQUEST_BYTES, PREFIX_CACHE_ISOLATION, AppOptions
 from strata.launch.server.tool_parsers import TOOL_CALL_PARSERS
@@ -353,6 +353,3 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     args.handler(args)
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -1,0 +1,2 @@
+"""The ``strata`` command (``main``): ``generate``, ``serve``, ``bench``, ``launch ray``.
+``python -m strata.launch.cli`` runs it too."""

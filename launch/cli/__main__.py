@@ -1,0 +1,5 @@
+import sys
+
+from strata.launch.cli.main import main
+
+main(sys.argv[1:])
