@@ -67,9 +67,6 @@ class StructuredOutputs:
                 self._cache.move_to_end(key)
         self._compiling[request_id] = future
 
-    def has_compiling(self) -> bool:
-        return bool(self._compiling)
-
     def wait_for_compile(self, timeout_s: float) -> None:
         """Block until some compilation finishes, at most ``timeout_s`` (nothing else to do)."""
         pending = next((f for f in self._compiling.values() if not f.done()), None)

@@ -118,9 +118,6 @@ class OutputProcessor:
         for child in self.child_ids(request_id):
             del self._completions[child]
 
-    def has_unfinished(self) -> bool:
-        return bool(self._completions)
-
     def pop_finished(self, request_id: str) -> RequestOutput:
         return self.outputs.pop(request_id)
 
