@@ -10,6 +10,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
+EVICTION_POLICIES = ("lru", "arc")
+
 
 class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
@@ -129,4 +131,4 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
         return LRUPolicy()
     if name == "arc":
         return ARCPolicy(capacity)
-    raise ValueError(f"eviction policy must be 'lru' or 'arc', got {name!r}")
+    raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, got {name!r}")

@@ -32,6 +32,7 @@ from strata.engine_core.protocol import (
 from strata.engine_core.request import FINISH_REASONS, Request, RequestStatus
 
 MAX_HANDLES = 1 << 16
+SCHEDULING_POLICIES = ("fcfs", "priority")
 RUNNING = RequestStatus.RUNNING
 BOOSTED = float("-inf")
 
@@ -55,8 +56,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_num_seqs > MAX_HANDLES // 2:
             raise ValueError(f"max_num_seqs must be <= {MAX_HANDLES // 2}, got {self.max_num_seqs}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
         if self.starvation_steps is not None and self.starvation_steps < 1:
             raise ValueError(f"starvation_steps must be >= 1 or None, got {self.starvation_steps}")
 

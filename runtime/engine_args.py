@@ -1,92 +1,142 @@
-"""The engine flags shared by ``generate``, ``serve`` and ``bench``, and what they resolve to."""
+"""The engine flags shared by ``generate``, ``serve`` and ``bench``, and what they resolve to.
+
+Each flag is declared once, as an ``EngineArgs`` field made by ``flag``: its default, help,
+choices and the rule its values meet. The argparse options, the checks on construction and
+the fields the worker's config shares with it all derive from those fields.
+"""
 
 import argparse
 import dataclasses
 import json
 import os
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar, get_args
 
+from strata.connector.policies import EVICTION_POLICIES
 from strata.engine_core.kv_connector import SchedulerConnector
-from strata.engine_core.scheduler import SchedulerConfig
+from strata.engine_core.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from strata.runtime.executors.ray_config import RAY_PLACEMENT_STRATEGIES, RayConfig
-from strata.worker.config import WorkerConfig
+from strata.worker.config import ATTENTION_BACKENDS, CPU_BF16_LINEAR_MODES, DTYPES, LOAD_FORMATS, WorkerConfig
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
-LOAD_FORMATS = ("auto", "dummy")  # as worker.model_loader.LOAD_FORMATS, without importing torch here
-CPU_BF16_LINEAR_MODES = ("auto", "float32", "native")  # as worker.model_loader's
+EXECUTORS = ("uni", "mp", "ray")
 DP_ROUTING_POLICIES = ("cache-aware", "least-loaded", "round-robin")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A condition on a flag's value; ``requirement`` says it after the field's name in the error."""
+
+    holds: Callable[[Any], bool]
+    requirement: str
+
+
+def at_least(bound: int) -> Rule:
+    return Rule(lambda value: value >= bound, f"must be >= {bound}")
+
+
+POSITIVE = Rule(lambda value: value > 0, "must be > 0")
+A_FRACTION = Rule(lambda value: 0 < value <= 1, "must be in (0, 1]")
+A_ZMQ_ENDPOINT = Rule(lambda value: value.startswith(("tcp://", "ipc://")), "must be a tcp:// or ipc:// endpoint")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How an ``EngineArgs`` field shows on the command line, and which values it takes."""
+
+    help: str | None
+    choices: tuple[str, ...] | None
+    rule: Rule | None
+    short: str | None  # a second option string, e.g. "-tp"
+
+    def check(self, name: str, value: Any) -> None:
+        """Raise ``ValueError`` naming the field if ``value`` is not one it takes."""
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{name} must be one of {', '.join(self.choices)}, got {value!r}")
+        if self.rule is not None and not self.rule.holds(value):
+            raise ValueError(f"{name} {self.rule.requirement}, got {value!r}")
+
+
+def flag(
+    default: T,
+    help: str | None = None,
+    *,
+    choices: tuple[str, ...] | None = None,
+    rule: Rule | None = None,
+    short: str | None = None,
+) -> T:
+    """An ``EngineArgs`` field, carrying its ``Flag``."""
+    return dataclasses.field(default=default, metadata={"flag": Flag(help, choices, rule, short)})
 
 
 @dataclass
 class EngineArgs:
     """Everything a user can set about the engine. ``model=None`` is the default model."""
 
-    model: str | None = None
-    load_format: str = "auto"
-    tokenizer: str | None = None
-    skip_tokenizer: bool = False
-    dtype: str = "auto"
-    cpu_bf16_linear: str = "auto"
-    device: str = "auto"
-    tensor_parallel_size: int = 1
-    executor: str = "mp"
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    num_gpu_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    cuda_graph_sizes: list[int] | None = None
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
-    attention_backend: str | None = None
-    worker_timeout_s: float = 60.0
-    kv_offload_cpu_bytes: int | None = None
-    kv_offload_policy: str = "lru"
-    kv_offload_block_size: int | None = None
-    ray_address: str | None = None
-    ray_placement_strategy: str = "PACK"
-    ray_placement_timeout_s: float = 60.0
-    kv_events_endpoint: str | None = None
-    kv_events_replay_endpoint: str | None = None
-    data_parallel_size: int = 1
-    dp_routing: str = "cache-aware"
-    dp_load_margin: int = 2048
-    dp_router_max_hashes: int = 1 << 20
+    model: str | None = flag(None, "HF directory, .gguf file, config.json or gemma3-270m (default: SmolLM2-135M-Instruct)")
+    load_format: str = flag("auto", "dummy: seeded random weights of the config's shapes", choices=LOAD_FORMATS)
+    tokenizer: str | None = flag(None, "tokenizer directory (default: the model's)")
+    skip_tokenizer: bool = flag(False, "no tokenizer: token-id prompts only, no output text")
+    dtype: str = flag("auto", choices=DTYPES)
+    cpu_bf16_linear: str = flag(
+        "auto",
+        "a bfloat16 model on CPU: float32 runs its linears as float32 GEMMs on the bfloat16 weights "
+        "(2x their memory), native as bfloat16 GEMMs; auto: float32 where the CPU lacks native bfloat16",
+        choices=CPU_BF16_LINEAR_MODES,
+    )
+    device: str = flag("auto", "cpu, cuda, cuda:K (mp ranks take cuda:K, cuda:K+1, ...) or auto")
+    tensor_parallel_size: int = flag(1, short="-tp", rule=at_least(1))
+    executor: str = flag("mp", "uni: one process (debugging)", choices=EXECUTORS)
+    max_num_batched_tokens: int = flag(2048, "token budget per step")
+    max_num_seqs: int = flag(256, "most requests in one step")
+    max_model_len: int | None = flag(None, f"default: the model's, capped at {DEFAULT_MAX_MODEL_LEN_CAP}")
+    block_size: int = flag(16)
+    kv_cache_memory: int | None = flag(None, "KV-cache bytes per rank")
+    num_gpu_blocks: int | None = flag(None, "KV-cache blocks (overrides --kv-cache-memory)")
+    gpu_memory_utilization: float = flag(
+        0.9, "CUDA: share of the GPU for weights, activations, graphs and KV cache", rule=A_FRACTION
+    )
+    enforce_eager: bool = flag(False, "CUDA: no CUDA graphs")
+    cuda_graph_sizes: list[int] | None = flag(
+        None, "CUDA: decode batch sizes to capture, e.g. 1,2,4,8 (default 1,2,4,8,16,...,max-num-seqs)"
+    )
+    enable_prefix_caching: bool = flag(True)
+    scheduling_policy: str = flag("fcfs", choices=SCHEDULING_POLICIES)
+    attention_backend: str | None = flag(None, choices=ATTENTION_BACKENDS)
+    worker_timeout_s: float = flag(60.0, "a worker silent this long is declared hung")
+    kv_offload_cpu_bytes: int | None = flag(None, "CPU KV tier size, total over TP ranks (off by default)")
+    kv_offload_policy: str = flag("lru", "CPU tier eviction policy", choices=EVICTION_POLICIES)
+    kv_offload_block_size: int | None = flag(None, "tokens per CPU block (a multiple of --block-size)")
+    ray_address: str | None = flag(None, "ray: head host:port (default $RAY_ADDRESS, else a local cluster)")
+    ray_placement_strategy: str = flag("PACK", "ray: rank layout", choices=RAY_PLACEMENT_STRATEGIES)
+    ray_placement_timeout_s: float = flag(60.0, "ray: fail if the ranks are not placed by then", rule=POSITIVE)
+    kv_events_endpoint: str | None = flag(
+        None, "publish KV events on this ZeroMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (off by default)",
+        rule=A_ZMQ_ENDPOINT,
+    )
+    kv_events_replay_endpoint: str | None = flag(
+        None, "replay socket for missed KV-event batches (default: the next TCP port, or PATH-replay)",
+        rule=A_ZMQ_ENDPOINT,
+    )
+    data_parallel_size: int = flag(1, "engine replicas, each with its own TP workers", short="-dp", rule=at_least(1))
+    dp_routing: str = flag("cache-aware", "how requests pick a replica", choices=DP_ROUTING_POLICIES)
+    dp_load_margin: int = flag(
+        2048, "cache-aware: tokens of extra load a prefix hit may cost before least-loaded wins", rule=at_least(0)
+    )
+    dp_router_max_hashes: int = flag(1 << 20, "cache-aware: block hashes the router remembers", rule=at_least(1))
 
     def __post_init__(self) -> None:
-        if self.executor not in ("uni", "mp", "ray"):
-            raise ValueError(f"executor must be 'uni', 'mp' or 'ray', got {self.executor!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None or field.default is not None:  # None where it is the default means unset
+                field.metadata["flag"].check(field.name, value)
         if self.executor == "uni" and self.tensor_parallel_size != 1:
             raise ValueError("the uni executor runs one rank: use --executor mp for tensor parallelism")
-        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
-            raise ValueError(
-                f"ray_placement_strategy must be one of {', '.join(RAY_PLACEMENT_STRATEGIES)}, "
-                f"got {self.ray_placement_strategy!r}"
-            )
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
-        if self.cpu_bf16_linear not in CPU_BF16_LINEAR_MODES:
-            raise ValueError(
-                f"cpu_bf16_linear must be one of {', '.join(CPU_BF16_LINEAR_MODES)}, got {self.cpu_bf16_linear!r}"
-            )
-        if self.skip_tokenizer and self.tokenizer is not None:
-            raise ValueError("tokenizer and skip_tokenizer exclude each other")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.cuda_graph_sizes is not None and not all(1 <= size <= self.max_num_seqs for size in self.cuda_graph_sizes):
-            raise ValueError(
-                f"cuda_graph_sizes must lie in 1..max_num_seqs ({self.max_num_seqs}), got {self.cuda_graph_sizes}"
-            )
-        if self.ray_placement_timeout_s <= 0:
-            raise ValueError(f"ray_placement_timeout_s must be > 0, got {self.ray_placement_timeout_s}")
-        if self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.executor == "uni" and self.data_parallel_size != 1:
             raise ValueError("the uni executor runs one replica: use --executor mp or ray for data parallelism")
         if self.executor == "ray" and self.data_parallel_size > 1 and not (self.ray_address or os.environ.get("RAY_ADDRESS")):
@@ -94,66 +144,41 @@ class EngineArgs:
                 "data parallelism on Ray needs a running cluster that every replica joins: start one "
                 "(strata launch ray --head) and pass --ray-address or set RAY_ADDRESS"
             )
-        if self.dp_routing not in DP_ROUTING_POLICIES:
-            raise ValueError(f"dp_routing must be one of {', '.join(DP_ROUTING_POLICIES)}, got {self.dp_routing!r}")
-        if self.dp_load_margin < 0:
-            raise ValueError(f"dp_load_margin must be >= 0, got {self.dp_load_margin}")
-        if self.dp_router_max_hashes < 1:
-            raise ValueError(f"dp_router_max_hashes must be >= 1, got {self.dp_router_max_hashes}")
-        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
-            endpoint = getattr(self, name)
-            if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"{name} must be a tcp:// or ipc:// endpoint, got {endpoint!r}")
+        if self.skip_tokenizer and self.tokenizer is not None:
+            raise ValueError("tokenizer and skip_tokenizer exclude each other")
+        if self.cuda_graph_sizes is not None and not all(1 <= size <= self.max_num_seqs for size in self.cuda_graph_sizes):
+            raise ValueError(
+                f"cuda_graph_sizes must lie in 1..max_num_seqs ({self.max_num_seqs}), got {self.cuda_graph_sizes}"
+            )
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        add = parser.add_argument
-        add("--model", default=None, help="HF directory, .gguf file, config.json or gemma3-270m (default: SmolLM2-135M-Instruct)")
-        add("--load-format", default="auto", choices=LOAD_FORMATS, help="dummy: seeded random weights of the config's shapes")
-        add("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-        add("--skip-tokenizer", action="store_true", help="no tokenizer: token-id prompts only, no output text")
-        add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-        add("--cpu-bf16-linear", default="auto", choices=CPU_BF16_LINEAR_MODES,
-            help="a bfloat16 model on CPU: float32 runs its linears as float32 GEMMs on the bfloat16 weights "
-            "(2x their memory), native as bfloat16 GEMMs; auto: float32 where the CPU lacks native bfloat16")
-        add("--device", default="auto", help="cpu, cuda, cuda:K (mp ranks take cuda:K, cuda:K+1, ...) or auto")
-        add("--tensor-parallel-size", "-tp", type=int, default=1)
-        add("--executor", default="mp", choices=["uni", "mp", "ray"], help="uni: one process (debugging)")
-        add("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-        add("--max-num-seqs", type=int, default=256, help="most requests in one step")
-        add("--max-model-len", type=int, default=None, help="default: the model's, capped at 8192")
-        add("--block-size", type=int, default=16)
-        add("--kv-cache-memory", type=int, default=None, help="KV-cache bytes per rank")
-        add("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (overrides --kv-cache-memory)")
-        add("--gpu-memory-utilization", type=float, default=0.9, help="CUDA: share of the GPU for weights, activations, graphs and KV cache")
-        add("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
-        add("--cuda-graph-sizes", type=_int_list, default=None, help="CUDA: decode batch sizes to capture, e.g. 1,2,4,8 (default 1,2,4,8,16,...,max-num-seqs)")
-        add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-        add("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-        add("--attention-backend", default=None, choices=["torch", "cpu", "triton"])
-        add("--worker-timeout-s", type=float, default=60.0, help="a worker silent this long is declared hung")
-        add("--kv-offload-cpu-bytes", type=int, default=None, help="CPU KV tier size, total over TP ranks (off by default)")
-        add("--kv-offload-policy", default="lru", choices=["lru", "arc"], help="CPU tier eviction policy")
-        add("--kv-offload-block-size", type=int, default=None, help="tokens per CPU block (a multiple of --block-size)")
-        add("--ray-address", default=None, help="ray: head host:port (default $RAY_ADDRESS, else a local cluster)")
-        add("--ray-placement-strategy", default="PACK", choices=RAY_PLACEMENT_STRATEGIES, help="ray: rank layout")
-        add("--ray-placement-timeout-s", type=float, default=60.0, help="ray: fail if the ranks are not placed by then")
-        add("--kv-events-endpoint", default=None,
-            help="publish KV events on this ZeroMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (off by default)")
-        add("--kv-events-replay-endpoint", default=None,
-            help="replay socket for missed KV-event batches (default: the next TCP port, or PATH-replay)")
-        add("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas, each with its own TP workers")
-        add("--dp-routing", default="cache-aware", choices=DP_ROUTING_POLICIES, help="how requests pick a replica")
-        add("--dp-load-margin", type=int, default=2048,
-            help="cache-aware: tokens of extra load a prefix hit may cost before least-loaded wins")
-        add("--dp-router-max-hashes", type=int, default=1 << 20, help="cache-aware: block hashes the router remembers")
+        """One option per field: ``--max-num-seqs`` sets ``max_num_seqs``."""
+        for field in dataclasses.fields(EngineArgs):
+            option: Flag = field.metadata["flag"]
+            long_name = "--" + field.name.replace("_", "-")
+            names = (long_name, option.short) if option.short else (long_name,)
+            parser.add_argument(*names, default=field.default, help=option.help, **_parse_options(field))
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "EngineArgs":
         names = {field.name for field in dataclasses.fields(cls)}
         return cls(**{name: value for name, value in vars(args).items() if name in names})
+
+
+def _parse_options(field: dataclasses.Field) -> dict[str, Any]:
+    """How argparse reads a field's option, from its type: a bool is a switch (with a
+    ``--no-`` form where it defaults to on), ``list[int]`` comma-separated integers."""
+    value_type = field.type
+    if isinstance(value_type, types.UnionType):  # int | None: parse an int
+        (value_type,) = (member for member in get_args(value_type) if member is not type(None))
+    if value_type is bool:
+        return {"action": argparse.BooleanOptionalAction if field.default else "store_true"}
+    if value_type == list[int]:
+        return {"type": _int_list}
+    return {"type": value_type, "choices": field.metadata["flag"].choices}
 
 
 @dataclass
@@ -217,26 +242,10 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
         policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
     )
-    worker = WorkerConfig(
-        model=str(path),
-        load_format=args.load_format,
-        dtype=args.dtype,
-        cpu_bf16_linear=args.cpu_bf16_linear,
-        device=_device(args.device),
-        block_size=args.block_size,
-        max_model_len=max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_gpu_blocks=args.num_gpu_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager,
-        cuda_graph_sizes=args.cuda_graph_sizes,
-        attention_backend=args.attention_backend,
-        tensor_parallel_size=args.tensor_parallel_size,
-        kv_offload_cpu_bytes=args.kv_offload_cpu_bytes,
-        kv_offload_block_size=args.kv_offload_block_size,
-    )
+    engine_fields = dataclasses.asdict(args)
+    same_named = {name: engine_fields[name] for name in WorkerConfig.__struct_fields__ if name in engine_fields}
+    resolved_here = {"model": str(path), "device": _device(args.device), "max_model_len": max_model_len}
+    worker = WorkerConfig(**(same_named | resolved_here))
     ray_config = None
     if args.executor == "ray":
         ray_config = RayConfig(args.ray_address, args.ray_placement_strategy, args.ray_placement_timeout_s)

@@ -1,6 +1,14 @@
-"""What a worker needs to know to build its model runner; sent to worker processes as msgpack."""
+"""What a worker needs to know to build its model runner; sent to worker processes as msgpack.
+
+Also the values its string settings accept, here rather than beside the code that reads them
+so that the engine flags can offer them as choices without importing torch."""
 
 import msgspec
+
+LOAD_FORMATS = ("auto", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_BF16_LINEAR_MODES = ("auto", "float32", "native")
+ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 
 
 class WorkerConfig(msgspec.Struct):
@@ -11,7 +19,7 @@ class WorkerConfig(msgspec.Struct):
     model: str
     load_format: str = "auto"  # "dummy": random weights of the config's shapes
     dtype: str = "auto"
-    cpu_bf16_linear: str = "auto"  # a bfloat16 model's linears on CPU: auto, float32 or native
+    cpu_bf16_linear: str = "auto"  # how a bfloat16 model's linears run on CPU
     device: str = "cpu"
     block_size: int = 16
     max_model_len: int = 2048

