@@ -8,8 +8,8 @@ tokens.
 Tensor parallelism is expert parallel: rank ``r`` holds whole experts, a contiguous run of them,
 and computes only the tokens routed to those; the all-reduce that a row-parallel MLP ends with
 sums the ranks' partial outputs. ``Experts`` also takes a share of every expert's intermediate
-features instead (the dense-MLP split), which the MoE benchmark compares (README, "Mixture of
-experts").
+features instead (the dense-MLP split), which the MoE benchmark compares (docs/models.md, "The MoE
+benchmark").
 """
 
 import torch

@@ -52,7 +52,7 @@ class MultiprocExecutor(ZmqExecutor):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one machine talk over loopback
         # Idle OpenMP threads spin briefly (fast wake-ups between a step's ops), then sleep
         # instead of holding a core the EngineCore needs between steps: same throughput as the
-        # default long spin, a third of its EngineCore-side IPC time (README, process split).
+        # default long spin, a third of its EngineCore-side IPC time (docs/performance.md, process split).
         env.setdefault("GOMP_SPINCOUNT", "10000")
         process = subprocess.Popen([sys.executable, "-m", "strata.worker.worker_process"], stdin=subprocess.PIPE, env=env)
         assert process.stdin is not None

@@ -1,6 +1,6 @@
 """The CI variant of ``strata bench soak``: 30 s of mixed traffic against a tiny model, then
 every block free, invariants intact, no unexpected answer, and bounded memory growth (loose:
-a 30 s run is mostly warm-up; the 30-minute run in the README holds 5%)."""
+a 30 s run is mostly warm-up; the 30-minute run in docs/reliability.md holds 5%)."""
 
 from transformers import AutoTokenizer
 
