@@ -11,7 +11,7 @@ Measured, with dummy (random) weights of Llama-3.2-1B and Llama-3.1-8B shapes in
 - the attention kernel alone: decode (bytes of KV read / time against the bandwidth) and
   prefill (causal FLOPs / time against the matmul peak);
 - ``strata bench throughput`` and ``strata bench serve`` on the 8B shape.
-Writes ``results.json`` and ``results.md`` into ``--out``.
+Writes ``results.json``, ``results.md`` and the server's ``serve.log`` into ``--out``.
 """
 
 import argparse
@@ -19,11 +19,8 @@ import json
 import math
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +32,7 @@ from transformers import LlamaConfig
 from strata import LLM
 from strata.launch.bench import serve as bench_serve
 from strata.launch.bench import throughput as bench_throughput
+from strata.launch.bench.server_process import ServerProcess, free_port, strata_serve_command
 from strata.worker.attention import AttentionMetadata, get_attention_backend
 from strata.worker.cuda_graphs import CudaGraphRunner, PaddedDecode
 from strata.worker.input_batch import StepInputs
@@ -263,52 +261,21 @@ def throughput(plan: Plan, config_dir: Path, tokenizer: Path) -> dict:
         return bench_throughput.run(llm, workload)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"strata serve exited with status {server.returncode} before it was healthy")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"strata serve was not healthy within {timeout_s:.0f} s")
-
-
-def serve(plan: Plan, config_dir: Path, tokenizer: Path, startup_timeout_s: float = 300) -> list[dict]:
-    """``strata serve`` in a child process, loaded by ``strata bench serve`` at each concurrency."""
-    port = _free_port()
-    flags = _engine_flags(plan, config_dir, tokenizer) | {"executor": "mp"}
-    command = [sys.executable, "-m", "strata.launch.cli", "serve", "--port", str(port),
-               "--model", str(config_dir / "config.json")]
-    for name, value in flags.items():
-        command += [f"--{name.replace('_', '-')}", str(value)]
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(command)
-    try:
-        _wait_healthy(url, server, startup_timeout_s)
+def serve(plan: Plan, config_dir: Path, tokenizer: Path, log: Path, startup_timeout_s: float = 300) -> list[dict]:
+    """``strata serve`` in a child process (its output in ``log``), loaded by ``strata bench serve``
+    at each concurrency."""
+    port = free_port()
+    flags = ["--model", str(config_dir / "config.json")]
+    for name, value in (_engine_flags(plan, config_dir, tokenizer) | {"executor": "mp"}).items():
+        flags += [f"--{name.replace('_', '-')}", str(value)]
+    with ServerProcess(strata_serve_command(port, flags), port, log) as server:
+        server.wait_healthy(startup_timeout_s)
         results = []
         for concurrency in plan.serve_concurrency:
-            load = bench_serve.Load(url=url, num_prompts=max(4, 2 * concurrency), max_concurrency=concurrency,
+            load = bench_serve.Load(url=server.url, num_prompts=max(4, 2 * concurrency), max_concurrency=concurrency,
                                     max_tokens=plan.serve_max_tokens)
             results.append(bench_serve.run(load))
         return results
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 def device_name(plan: Plan) -> str:
@@ -333,7 +300,7 @@ def run(plan: Plan, out: Path, tokenizer: Path) -> dict:
         torch.cuda.empty_cache()  # the engines' workers size their KV cache from what is free
     e2e_dir = save_shape(plan.e2e_shape, models)
     results["throughput"] = throughput(plan, e2e_dir, tokenizer)
-    results["serve"] = serve(plan, e2e_dir, tokenizer)
+    results["serve"] = serve(plan, e2e_dir, tokenizer, out / "serve.log")
     results["elapsed_s"] = time.monotonic() - started
     return results
 
@@ -408,4 +375,5 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # gpu_proof.sh's timeout: the server is stopped too
     main()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one-command GPU proof: install strata on the host's own Python, torch and Triton, run the
-# GPU tests and the benchmarks, write results.json, results.md and the test log into OUT_DIR.
+# GPU tests and the benchmarks, write results.json, results.md and the logs into OUT_DIR.
 #
 #   benchmarks/gpu_proof.sh OUT_DIR [WHEEL_DIR]
 #

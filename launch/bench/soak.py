@@ -15,8 +15,6 @@ import asyncio
 import json
 import random
 import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,10 +23,10 @@ import httpx
 import psutil
 
 from strata.launch.bench.serve import _WORDS
+from strata.launch.bench.server_process import ServerProcess, free_port, strata_serve_command
 
 KINDS = ("stream", "chat", "abort", "disconnect", "bad")
 DEFAULT_OFFLOAD_BYTES = 256 << 20
-STARTUP_TIMEOUT_S = 600.0
 DRAIN_TIMEOUT_S = 120.0
 RSS_SAMPLE_S = 2.0
 BAD_BODIES = (
@@ -61,22 +59,16 @@ class _Tally:
 
 
 def run(soak: Soak) -> dict:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    flags = list(soak.serve_flags)
+    port = free_port()
+    flags = ["--enable-debug-endpoints", "--served-model-name", "soak", *soak.serve_flags]
     if "--kv-offload-cpu-bytes" not in flags:
         flags += ["--kv-offload-cpu-bytes", str(DEFAULT_OFFLOAD_BYTES)]
-    command = [sys.executable, "-m", "strata.launch.cli", "serve", "--port", str(port), "--enable-debug-endpoints",
-               "--served-model-name", "soak", *flags]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # SIGTERM (a CI timeout) unwinds through the clean-up below, as Ctrl-C does.
+    # SIGTERM (a CI timeout) unwinds through the with that stops the server, as Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        _wait_until_healthy(url, server)
+    with ServerProcess(strata_serve_command(port, flags), port) as server:
+        server.wait_healthy()
         _log(f"server healthy; traffic for {soak.duration_s:.0f} s")
-        return asyncio.run(_soak(soak, url, psutil.Process(server.pid)))
-    finally:
-        _stop(server)
+        return asyncio.run(_soak(soak, server.url, psutil.Process(server.process.pid)))
 
 
 async def _soak(soak: Soak, url: str, server: psutil.Process) -> dict:
@@ -228,44 +220,12 @@ def _rss_growth(samples: list[tuple[float, dict[str, int]]], after_s: float) -> 
     return {name: end[name] / baseline[name] - 1 for name in baseline if name in end}
 
 
-def _wait_until_healthy(url: str, server: subprocess.Popen) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"strata serve exited with {server.returncode} while starting")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"strata serve was not healthy within {STARTUP_TIMEOUT_S:.0f} s")
-
-
-def _stop(server: subprocess.Popen) -> None:
-    if server.poll() is None:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            for child in psutil.Process(server.pid).children(recursive=True):
-                child.kill()
-            server.kill()
-            server.wait()
-
-
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
 def _log(message: str) -> None:
     print(f"soak: {message}", file=sys.stderr, flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def format_result(result: dict) -> str:

@@ -1,12 +1,13 @@
-#!/usr/bin/env python3
-"""One engine held loaded while ``compare_vllm.py`` times it: strata's or vLLM's offline ``LLM``.
+"""One engine held loaded while ``compare_vllm`` times it: strata's or vLLM's offline ``LLM``.
 
-Run with the interpreter of the engine's own environment (vLLM's must never share strata's), so
-this file imports neither engine at the top. Protocol, one JSON object a line: after loading it
-prints ``{"ready": true}``; then for each line ``{"prompts": [[ids]], "max_tokens": N}`` on stdin it
-clears the prefix cache, generates greedily with EOS ignored, checks that every request made
-exactly N tokens, and prints ``{"elapsed_s": S, "output_tokens": T}``. EOF on stdin ends it.
-Replies start with ``REPLY_MARK``: the engines log to stdout too.
+Run by path (vLLM's environment has no strata to find it in) with the interpreter of the
+engine's own environment (vLLM's must never share strata's), so this file imports only the
+standard library at the top and the engine it drives when it loads it. Protocol, one JSON
+object a line: after loading it prints ``{"ready": true}``; then for each line ``{"prompts":
+[[ids]], "max_tokens": N}`` on stdin it clears the prefix cache, generates greedily with EOS
+ignored, checks that every request made exactly N tokens, and prints ``{"elapsed_s": S,
+"output_tokens": T}``. EOF on stdin ends it. Replies start with ``REPLY_MARK``: the engines log
+to stdout too.
 """
 
 import argparse
@@ -25,7 +26,8 @@ Generate = Callable[[list[list[int]], int], list[int]]  # prompts, max_tokens ->
 
 
 def load_strata(args: argparse.Namespace) -> tuple[Callable[[], None], Generate, Callable[[], None]]:
-    from strata import LLM, SamplingParams
+    from strata.engine_core.sampling_params import SamplingParams
+    from strata.launch.llm import LLM
 
     llm = LLM(
         args.model, executor=args.executor, dtype=args.dtype, max_model_len=args.max_model_len,

