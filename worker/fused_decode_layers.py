@@ -1,6 +1,6 @@
-"""Decode steps of a Llama decoder layer on the CPU as two fused C calls (``kernels.cpu_decoder_layer``):
-norm, qkv, rotary, KV write, attention and o_proj in one; norm, gate_up, SwiGLU and down in the
-other; the tensor-parallel all-reduce after each.
+"""A Llama decoder layer's decode steps on the CPU as two fused C calls
+(``kernels.cpu_decoder_layer``): norm, qkv, rotary, KV write, attention and o_proj in one; norm,
+gate_up, SwiGLU and down in the other; the tensor-parallel all-reduce after each.
 
 ``fuse_cpu_decode_layers`` gives each layer whose modules those calls reproduce exactly its
 ``FusedDecoderLayer``. The layer runs it in the steps the model has a ``cpu_decoder_layer.Step``
