@@ -1,6 +1,7 @@
 """A Llama decoder layer's attention and MLP halves as one C call each, for the few rows of a
-decode step on the CPU (``csrc/decoder_layer.c``). They run the kernels the module path of
-``worker/llama.py`` runs, in its order, so they return exactly what it returns.
+decode step on the CPU (``csrc/decoder_layer.c``), for ``worker/fused_decode_layers.py``. They
+run the kernels the module path of ``worker/llama.py`` runs, in its order, so they return
+exactly what it returns.
 
 The weights a layer points at are described once (``AttentionLayer``, ``MlpLayer``); a step's
 rows, rotary angles and cache addressing once per step (``DecodeStep``).

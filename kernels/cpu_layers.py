@@ -1,6 +1,6 @@
 """The fused elementwise parts of a decoder layer on the CPU (``csrc/layers.c``): RMSNorm with
 its residual add, rotary embedding in place, SwiGLU, and the dtype conversion around a linear
-whose weights are held wider than its activations. ``worker/llama.py`` holds the torch code
+whose weights are held wider than its activations. ``worker/layers.py`` holds the torch code
 they replace on the CPU and are tested against (``Tensor.to`` for the conversion)."""
 
 import torch

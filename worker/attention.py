@@ -1,4 +1,6 @@
-"""The attention backend interface: paged KV cache + block tables + slot mapping.
+"""The attention backends: the interface the model calls (``AttentionBackend``) over a paged KV
+cache + block tables + slot mapping (``AttentionMetadata``), and its torch, C and Triton
+implementations.
 
 The model calls ``backend.forward`` once per layer; the backend writes the new K/V into
 that layer's cache and attends, causally and, for a sliding-window layer, only over the last
@@ -7,6 +9,7 @@ they run.
 """
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -29,6 +32,23 @@ class AttentionMetadata:
     reference_plans: dict[int | None, reference.AttentionPlan] = field(default_factory=dict)
     # The C backend's: the chunks it leaves to torch's fused attention, by sliding window.
     long_chunks: dict[int | None, list[reference.Chunk]] = field(default_factory=dict)
+
+
+class AttentionBackend(Protocol):
+    """What the model needs from an attention backend (the classes below implement it)."""
+
+    name: str  # "cpu" for the C kernels, whose decode steps a layer may fuse
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor: ...
 
 
 class TorchAttentionBackend:

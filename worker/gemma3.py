@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedConfig
 
-from strata.worker.attention import AttentionMetadata
-from strata.worker.llama import AttentionBackend, LlamaAttention, LlamaForCausalLM, RotaryEmbedding, apply_rotary
+from strata.worker.attention import AttentionBackend, AttentionMetadata
+from strata.worker.layers import RotaryEmbedding, apply_rotary
+from strata.worker.llama import LlamaAttention, LlamaForCausalLM
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 

@@ -2,12 +2,14 @@
 
 A request's prompt, sampling parameters and block table arrive once (``NewRequestData``);
 afterwards each step only names its handle, and the worker appends the tokens it sampled
-itself. Rows are numpy arrays so a step's inputs are built with vectorised gathers.
+itself. Rows are numpy arrays so a step's inputs are built with vectorised gathers;
+``to_device`` hands them to the model.
 """
 
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from strata.engine_core.block_hash import hash_block, ROOT_HASH
 from strata.engine_core.protocol import NewRequestData
@@ -123,3 +125,8 @@ class InputBatch:
 def _stable_seed(request_id: str) -> int:
     """A seed every rank derives alike for a request that came without one."""
     return int.from_bytes(hash_block(ROOT_HASH, [], request_id.encode())[:8], "little") >> 1
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` as a tensor on ``device``, copied without waiting for the copy where the device allows."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)

@@ -1,28 +1,28 @@
 """The Llama family (Llama, Mistral, Qwen2, SmolLM): one tensor-parallel decoder over a paged KV cache.
 
 Its attention, MLP, decoder layer and weight loading are the parts the other families
-(``worker/qwen3.py``, ``worker/mixtral.py``, ``worker/gemma3.py``) build on.
+(``worker/qwen3.py``, ``worker/mixtral.py``, ``worker/gemma3.py``) build on; the layers they are
+made of (RMSNorm, rotary embedding, SwiGLU, the split of heads across ranks) are in ``worker/layers.py``.
 
 The model runs a flat, ragged batch: ``T`` tokens from any mix of prefills and decodes, each
 with its position; where each token's keys and values live is the attention metadata's job.
 On the CPU the elementwise steps (RMSNorm + residual, rotary, SwiGLU) run fused C kernels
-(``kernels.cpu_layers``) where they built; the torch code here is the same computation.
-Module and parameter names follow the HF checkpoints, except that q/k/v and gate/up are
-merged into one matmul each (``qkv_proj``, ``gate_up_proj``).
+(``kernels.cpu_layers``) where they built, and a decode step may run each layer as two fused C
+calls (``worker/fused_decode_layers.py``). Module and parameter names follow the HF
+checkpoints, except that q/k/v and gate/up are merged into one matmul each (``qkv_proj``,
+``gate_up_proj``).
 """
 
-import math
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedConfig
 
-from strata.kernels import cpu_decoder_layer, cpu_layers, cpu_linear
-from strata.worker.attention import AttentionMetadata
+from strata.kernels import cpu_decoder_layer, cpu_layers
+from strata.worker.attention import AttentionBackend, AttentionMetadata
+from strata.worker.layers import RMSNorm, RotaryEmbedding, apply_rotary, partition_heads, silu_and_mul
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.tp_layers import (
     ColumnParallelLinear,
@@ -33,54 +33,11 @@ from strata.worker.tp_layers import (
     load_full,
 )
 
+if TYPE_CHECKING:  # only for the annotation: fused_decode_layers imports this module
+    from strata.worker.fused_decode_layers import FusedDecoderLayer
+
 # The checkpoint matrices a merged layer holds, in part order.
 _MERGED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-class AttentionBackend(Protocol):
-    """What the model needs from an attention backend (see ``worker.attention``)."""
-
-    name: str  # "cpu" for the C kernels, whose decode steps a layer may fuse
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-    ) -> torch.Tensor: ...
-
-
-class RMSNorm(nn.Module):
-    """RMS normalisation computed in float32, fused with the residual add that precedes it."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
-        self.eps = eps
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(norm(x + residual), x + residual)``; without a residual, ``x`` is the new one.
-        The given residual may be overwritten (the C kernel adds into it)."""
-        if cpu_layers.handles(x):
-            return cpu_layers.rms_norm(x, residual, self.weight, self.eps)
-        return rms_norm(x, residual, self.weight, self.eps)
-
-
-def rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weight * norm(x + residual), x + residual)``, the norm computed in float32."""
-    if residual is not None:
-        x = x + residual
-    normed = x.float()
-    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype), x
 
 
 def sliding_windows(config: PreTrainedConfig) -> list[int | None]:
@@ -93,91 +50,6 @@ def sliding_windows(config: PreTrainedConfig) -> list[int | None]:
     if layer_types is not None:
         return [window if layer_type == "sliding_attention" else None for layer_type in layer_types]
     return [window] * config.num_hidden_layers
-
-
-def rope_inverse_frequencies(
-    config: PreTrainedConfig, head_dim: int, rope_parameters: dict[str, Any] | None = None
-) -> torch.Tensor:
-    """Rotary inverse frequencies ``[head_dim / 2]`` (float32) after the rope scaling of
-    ``rope_parameters`` (default: the config's).
-
-    Reads transformers-5 ``rope_parameters`` or the older ``rope_scaling`` + ``rope_theta``.
-    """
-    params: dict[str, Any] = dict(
-        rope_parameters or getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    )
-    theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / theta**exponents
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / params["factor"]
-    if rope_type == "llama3":
-        original_max = params.get("original_max_position_embeddings", config.max_position_embeddings)
-        return _llama3_scaling(
-            inv_freq, params["factor"], params["low_freq_factor"], params["high_freq_factor"], original_max
-        )
-    raise ValueError(f"rope scaling {rope_type!r} is not supported (supported: default, linear, llama3)")
-
-
-def _llama3_scaling(
-    inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original_max: int
-) -> torch.Tensor:
-    # Wavelengths much shorter than the pre-training context keep their frequency, much longer
-    # ones are slowed down by `factor`, and the band in between is interpolated linearly.
-    wavelength = 2 * math.pi / inv_freq
-    smooth = (original_max / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smooth = smooth.clamp(0.0, 1.0)
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    """Cosines and sines of each token's position, computed per batch (no length-bound cache)."""
-
-    def __init__(self, config: PreTrainedConfig, head_dim: int, rope_parameters: dict[str, Any] | None = None) -> None:
-        super().__init__()
-        inv_freq = rope_inverse_frequencies(config, head_dim, rope_parameters)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and ``sin``, each ``[T, head_dim / 2]`` in float32."""
-        angles = positions.float().unsqueeze(-1) * self.inv_freq
-        return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]``: dimension ``i`` pairs with ``i + head_dim / 2`` (HF
-    layout), with ``cos``/``sin`` rounded to ``x``'s dtype first as HF does."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def partition_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> tuple[slice, slice]:
-    """This rank's query heads and the KV heads they read.
-
-    KV heads are dealt out in contiguous runs, each with its whole group of query heads, so a
-    model whose head counts do not divide by the TP size still splits (SmolLM2's 9 query and 3
-    KV heads over 2 ranks: 3 + 6 query heads). With fewer KV heads than ranks, each KV head is
-    replicated on the ranks that split its query group.
-    """
-    group = num_heads // num_kv_heads
-    if num_kv_heads >= tp.size:
-        kv_start, kv_stop = tp.rank * num_kv_heads // tp.size, (tp.rank + 1) * num_kv_heads // tp.size
-        return slice(kv_start * group, kv_stop * group), slice(kv_start, kv_stop)
-    ranks_per_kv = tp.size // num_kv_heads
-    if tp.size % num_kv_heads or group % ranks_per_kv:
-        raise ValueError(
-            f"{num_heads} query / {num_kv_heads} KV heads cannot be split across {tp.size} ranks"
-        )
-    kv_head, part = divmod(tp.rank, ranks_per_kv)
-    per_rank = group // ranks_per_kv
-    q_start = kv_head * group + part * per_rank
-    return slice(q_start, q_start + per_rank), slice(kv_head, kv_head + 1)
 
 
 class LlamaAttention(nn.Module):
@@ -268,20 +140,6 @@ class LlamaMLP(nn.Module):
         return self.down_proj(cpu_layers.silu_and_mul(gate_up) if fused else silu_and_mul(gate_up))
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-@dataclass
-class FusedHalves:
-    """A layer's weights as the fused C halves read them (``kernels.cpu_decoder_layer``)."""
-
-    attention: cpu_decoder_layer.AttentionLayer
-    mlp: cpu_decoder_layer.MlpLayer
-
-
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention then pre-norm feed-forward, each norm fused with the preceding residual add.
 
@@ -294,7 +152,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
-        self.fused: FusedHalves | None = None  # see fuse_for_cpu_decode
+        self.fused: "FusedDecoderLayer | None" = None  # set by fused_decode_layers.fuse_cpu_decode_layers
 
     def forward(
         self,
@@ -309,75 +167,13 @@ class LlamaDecoderLayer(nn.Module):
         """Return the layer's output and the residual stream it has not been added to yet. With a
         ``fused_step`` (``LlamaModel.fused_step``) a fused layer runs its C halves instead."""
         if fused_step is not None and self.fused is not None:
-            fused = self._fused_forward(fused_step, kv_cache, hidden, residual)
+            fused = self.fused.forward(fused_step, kv_cache, hidden, residual)
             if fused is not None:
                 return fused
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
-
-    def fuse_for_cpu_decode(self) -> bool:
-        """Let decode steps run this layer as two C calls (``kernels.cpu_decoder_layer``) where
-        those compute exactly what the modules do: a Llama attention and MLP (not a family's
-        variant) on the ``cpu`` attention backend, whose four linears stream bfloat16 weights
-        (``tp_layers.linear``) and whose row-parallel linears have no bias. Returns whether it did."""
-        attn, mlp = self.self_attn, self.mlp
-        if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP or attn.attn_backend.name != "cpu":
-            return False
-        column_parallel, row_parallel = (attn.qkv_proj, mlp.gate_up_proj), (attn.o_proj, mlp.down_proj)
-        if any(layer.bias is not None for layer in row_parallel) or any(
-            layer.bias is not None and (layer.bias.dtype != torch.float32 or not layer.bias.is_contiguous())
-            for layer in column_parallel
-        ):
-            return False
-        weights = [layer.bf16_weight for layer in (*column_parallel, *row_parallel)]
-        if not all(weight is not None and cpu_linear.supports_weight(weight) for weight in weights):
-            return False
-        norms = (self.input_layernorm, self.post_attention_layernorm)
-        if not all(norm.weight.is_contiguous() for norm in norms):
-            return False
-        qkv, gate_up, o_proj, down = weights
-        self.fused = FusedHalves(
-            attention=cpu_decoder_layer.AttentionLayer(
-                input_norm=self.input_layernorm.weight.data_ptr(),
-                qkv=qkv.data_ptr(),
-                qkv_bias=attn.qkv_proj.bias.data_ptr() if attn.qkv_proj.bias is not None else None,
-                o_proj=o_proj.data_ptr(),
-                hidden=self.input_layernorm.weight.numel(),
-                heads=attn.num_heads,
-                kv_heads=attn.num_kv_heads,
-                head_dim=attn.head_dim,
-                sliding_window=attn.sliding_window or 0,
-                eps=self.input_layernorm.eps,
-                scale=attn.scale,
-            ),
-            mlp=cpu_decoder_layer.MlpLayer(
-                post_attention_norm=self.post_attention_layernorm.weight.data_ptr(),
-                gate_up=gate_up.data_ptr(),
-                gate_up_bias=mlp.gate_up_proj.bias.data_ptr() if mlp.gate_up_proj.bias is not None else None,
-                down=down.data_ptr(),
-                hidden=self.post_attention_layernorm.weight.numel(),
-                intermediate=down.shape[1],
-                eps=self.post_attention_layernorm.eps,
-            ),
-        )
-        return True
-
-    def _fused_forward(
-        self, step: cpu_decoder_layer.Step, kv_cache: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The C halves with the all-reduces between them; None (nothing changed) where the
-        attention kernel does not take the cache's block size."""
-        assert self.fused is not None
-        cache = cpu_decoder_layer.kv_cache(kv_cache)
-        attended = cpu_decoder_layer.attention_block(self.fused.attention, step, cache, hidden, residual)
-        if attended is None:
-            return None
-        residual = hidden if residual is None else residual
-        hidden = self.self_attn.o_proj.tp.all_reduce(attended)
-        out = cpu_decoder_layer.mlp_block(self.fused.mlp, step, hidden, residual)
-        return self.mlp.down_proj.tp.all_reduce(out), residual
 
 
 class LlamaModel(nn.Module):

@@ -4,7 +4,8 @@ and up matrices ``w1``, ``w2`` and ``w3``."""
 
 from transformers import PreTrainedConfig
 
-from strata.worker.llama import AttentionBackend, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from strata.worker.attention import AttentionBackend
+from strata.worker.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from strata.worker.moe import SparseMoE
 from strata.worker.parallel_state import TensorParallel
 

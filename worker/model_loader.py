@@ -32,11 +32,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from strata.worker.attention import AttentionBackend
+from strata.worker.fused_decode_layers import fuse_cpu_decode_layers
 from strata.worker.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
 from strata.worker.gemma3 import END_OF_TURN as GEMMA3_END_OF_TURN
-from strata.kernels import cpu_linear
 from strata.worker.config import CPU_BF16_LINEAR_MODES, DTYPES, LOAD_FORMATS
-from strata.worker.llama import AttentionBackend, LlamaDecoderLayer, LlamaForCausalLM
+from strata.worker.llama import LlamaForCausalLM
 from strata.worker.model_registry import model_class
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TensorSource
@@ -254,15 +255,6 @@ def widen_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             module.widen_(dtype)
-
-
-def fuse_cpu_decode_layers(model: torch.nn.Module) -> None:
-    """Let the decoder layers that can run decode steps as fused C calls do so
-    (``LlamaDecoderLayer.fuse_for_cpu_decode``); log how many did."""
-    layers = [module for module in model.modules() if isinstance(module, LlamaDecoderLayer)]
-    fused = sum(layer.fuse_for_cpu_decode() for layer in layers)
-    if fused:
-        logger.info("%d of %d decoder layers run decode steps of <= %d rows as fused C calls", fused, len(layers), cpu_linear.MAX_ROWS)
 
 
 def resolve_linear_dtype(mode: str, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.dtype, str]:

@@ -13,17 +13,16 @@ from strata.connector.offloading_worker import OffloadingConnectorWorker
 from strata.engine_core.protocol import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput, pack_tokens
 from strata.worker.attention import AttentionMetadata, get_attention_backend
 from strata.worker.config import WorkerConfig
-from strata.worker.input_batch import InputBatch, StepInputs
 from strata.worker.cpu_memory import check_kv_cache_fits, keep_freed_memory, zeroed_cpu_tensor
 from strata.worker.cuda_graphs import CudaGraphRunner, graph_batch_sizes
-from strata.worker.kv_cache_sizing import GIB, DeviceMemory, kv_cache_bytes
+from strata.worker.input_batch import InputBatch, StepInputs, to_device
+from strata.worker.kv_cache_sizing import KVCacheSizer
 from strata.worker.model_loader import load_model, resolve_dtype, resolve_linear_dtype
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.sampler import SamplingMetadata, sample
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 # Longest an empty step waits for a KV transfer: requests that arrive meanwhile wait this long.
 IDLE_TRANSFER_WAIT_S = 0.02
 
@@ -50,11 +49,12 @@ class ModelRunner:
         )
         self.cache_dtype = self.backend.cache_dtype(self.dtype)
         self.block_size = config.block_size
+        sizer = KVCacheSizer(config, tp, self.model, self.cache_dtype, self.device)
         graph_sizes = self._graph_sizes()
-        self.num_blocks = self._num_blocks(graph_sizes)
+        self.num_blocks = sizer.num_blocks(graph_sizes)
         cache_shape = (2, self.num_blocks, self.block_size, self.model.num_kv_heads_per_rank, self.model.head_dim)
         if self.device.type == "cpu":
-            check_kv_cache_fits(self.num_blocks * self.bytes_per_block())
+            check_kv_cache_fits(self.num_blocks * sizer.bytes_per_block())
             self.kv_caches = [zeroed_cpu_tensor(cache_shape, self.cache_dtype) for _ in range(self.model.num_layers)]
         else:
             self.kv_caches = [
@@ -68,31 +68,11 @@ class ModelRunner:
             self.graphs.capture()
         # Handles go up to twice max_num_seqs (finished handles are reserved for a step).
         self.batch = InputBatch(2 * config.max_num_seqs, config.max_model_len, self.block_size)
-        self.num_cpu_blocks = self._num_cpu_blocks()
+        self.num_cpu_blocks = sizer.num_offload_blocks()
         self.offload = None
         if self.num_cpu_blocks:
             factor = (config.kv_offload_block_size or self.block_size) // self.block_size
             self.offload = OffloadingConnectorWorker(self.kv_caches, self.num_cpu_blocks * factor)
-
-    def _num_cpu_blocks(self) -> int:
-        """Offload blocks in this rank's share of the CPU tier (the engine uses the smallest)."""
-        total = self.config.kv_offload_cpu_bytes
-        if not total:
-            return 0
-        offload_block_size = self.config.kv_offload_block_size or self.block_size
-        if offload_block_size % self.block_size:
-            raise ValueError(
-                f"kv_offload_block_size ({offload_block_size}) must be a multiple of block_size ({self.block_size})"
-            )
-        per_block = self.bytes_per_block() * (offload_block_size // self.block_size)
-        num_blocks = total // self.tp.size // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_offload_cpu_bytes={total} holds no offload block of {per_block} bytes per rank")
-        return num_blocks
-
-    def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.cache_dtype).element_size()
-        return 2 * self.block_size * self.model.num_kv_heads_per_rank * self.model.head_dim * element * self.model.num_layers
 
     def _graph_sizes(self) -> list[int]:
         """The decode batch sizes to capture CUDA graphs for; none off CUDA, with
@@ -104,88 +84,6 @@ class ModelRunner:
             logger.info("rank %d: no CUDA graphs: %s collectives cannot be captured", self.tp.rank, dist.get_backend(self.tp.group))
             return []
         return graph_batch_sizes(config.max_num_seqs, config.cuda_graph_sizes)
-
-    def _num_blocks(self, graph_sizes: list[int]) -> int:
-        if self.config.num_gpu_blocks is not None:
-            return self.config.num_gpu_blocks
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                memory = self._profile_device_memory(graph_sizes)
-                budget = kv_cache_bytes(memory, self.config.gpu_memory_utilization)
-                logger.info(
-                    "rank %d: KV cache %.2f GiB = %.2f x %.2f GiB total - weights %.2f - peak activations %.2f "
-                    "- CUDA graphs %.2f - outside torch %.2f",
-                    self.tp.rank, budget / GIB, self.config.gpu_memory_utilization, memory.total / GIB,
-                    memory.weights / GIB, memory.peak_activations / GIB, memory.cuda_graphs / GIB, memory.non_torch / GIB,
-                )
-            else:
-                budget = CPU_DEFAULT_KV_CACHE_BYTES
-        num_blocks = budget // self.bytes_per_block()
-        if num_blocks < 1:
-            raise ValueError(f"KV-cache memory of {budget} bytes holds no block of {self.bytes_per_block()} bytes")
-        return num_blocks
-
-    def _profile_device_memory(self, graph_sizes: list[int]) -> DeviceMemory:
-        """Measure the GPU memory everything but the KV cache needs: the weights, the largest
-        step's activations (``max_num_batched_tokens`` tokens, sampler at ``max_num_seqs``
-        rows) and, for the graph pool, those of a decode at the largest captured size."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        weights = torch.cuda.memory_allocated(self.device)
-        num_tokens = self.config.max_num_batched_tokens
-        peak = self._peak_step_bytes(num_tokens, min(self.config.max_num_seqs, num_tokens))
-        graphs = self._peak_step_bytes(graph_sizes[-1], graph_sizes[-1]) if graph_sizes else 0
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = total - free - torch.cuda.memory_reserved(self.device)
-        return DeviceMemory(total, weights, peak, graphs, max(0, non_torch))
-
-    @torch.inference_mode()
-    def _peak_step_bytes(self, num_tokens: int, num_seqs: int) -> int:
-        """The most a dummy step of ``num_tokens`` tokens over ``num_seqs`` sequences allocates,
-        sampler (top-k and top-p on) included. Its scratch KV cache is not counted."""
-        lengths = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
-        lengths[: num_tokens % num_seqs] += 1
-        blocks_per_seq = -(-int(lengths.max()) // self.block_size)
-        shape = (2, num_seqs * blocks_per_seq, self.block_size, self.model.num_kv_heads_per_rank, self.model.head_dim)
-        caches = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in range(self.model.num_layers)]
-        block_tables = np.arange(num_seqs * blocks_per_seq, dtype=np.int32).reshape(num_seqs, blocks_per_seq)
-        ends = np.cumsum(lengths)
-        positions = np.arange(num_tokens) - np.repeat(ends - lengths, lengths)
-        seq_of_token = np.repeat(np.arange(num_seqs), lengths)
-        slots = block_tables[seq_of_token, positions // self.block_size].astype(np.int64) * self.block_size
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots + positions % self.block_size),
-            block_tables=self._to_device(block_tables),
-            query_start_loc=self._to_device(np.concatenate(([0], ends)).astype(np.int32)),
-            seq_lens=self._to_device(lengths.astype(np.int32)),
-            max_query_len=int(lengths.max()),
-            max_seq_len=int(lengths.max()),
-        )
-        rows = np.ones(num_seqs, dtype=np.float32)
-        sampling = SamplingMetadata(
-            temperature=self._to_device(rows),
-            top_k=self._to_device(np.full(num_seqs, max(1, self.model.vocab_size // 2), dtype=np.int64)),
-            top_p=self._to_device(rows * 0.9),
-            min_p=self._to_device(rows * 0),
-            seeds=self._to_device(np.zeros(num_seqs, dtype=np.int64)),
-            output_positions=self._to_device(np.zeros(num_seqs, dtype=np.int64)),
-            all_greedy=False,
-            need_top_k=True,
-            need_top_p=True,
-            need_min_p=False,
-        )
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        token_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(token_ids, self._to_device(positions), caches, meta)
-        sample(self.model.compute_logits(hidden[self._to_device(ends - 1)]), sampling)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        del caches, hidden
-        torch.cuda.empty_cache()
-        return peak
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, grammar_bitmask: Callable[[], bytes] | None = None) -> ModelRunnerOutput:
@@ -258,7 +156,7 @@ class ModelRunner:
         return rows, num_scheduled
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+        return to_device(array, self.device)
 
     def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         return AttentionMetadata(

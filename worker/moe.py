@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels import cpu_layers
+from strata.worker.layers import silu_and_mul
 from strata.worker.parallel_state import TensorParallel
-from strata.worker.llama import silu_and_mul
 from strata.worker.tp_layers import TensorSource, copy_shard, empty_parameter, read_shard
 
 

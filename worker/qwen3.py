@@ -5,15 +5,9 @@ import torch
 from transformers import PreTrainedConfig
 
 from strata.kernels import cpu_layers
-from strata.worker.llama import (
-    AttentionBackend,
-    LlamaAttention,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaMLP,
-    RMSNorm,
-    apply_rotary,
-)
+from strata.worker.attention import AttentionBackend
+from strata.worker.layers import RMSNorm, apply_rotary
+from strata.worker.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from strata.worker.moe import SparseMoE
 from strata.worker.parallel_state import TensorParallel
 

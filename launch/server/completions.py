@@ -1,32 +1,28 @@
-"""OpenAI completions and chat completions over the ``AsyncEngine``.
+"""The OpenAI completions and chat completions endpoints over the ``AsyncEngine``.
 
 One path serves both endpoints, streaming or not: a request becomes a ``Job`` (the token ids
 of its prompts, one engine request each, and ``SamplingParams``), and the engine's deltas,
-merged and numbered as choices, become SSE chunks as they arrive, or one response at the end.
-``Completions`` and ``ChatCompletions`` supply only what differs: how prompts are read (chat:
-with its tools, ``launch/server/tool_calls.py``) and how text, logprobs and tool calls
-(``launch/server/tool_parsers.py``) are rendered.
+merged and numbered as choices (``launch/server/streams.py``), become SSE chunks as they
+arrive, or one response at the end. ``Completions`` and ``ChatCompletions`` supply only what
+differs: how prompts are read (chat: with its tools, ``launch/server/tool_calls.py``) and how
+text, logprobs and tool calls (``launch/server/tool_parsers.py``) are rendered.
 """
 
-import asyncio
-import dataclasses
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Awaitable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Iterable
 from typing import Generic, TypeVar
 
 import jinja2
 from pydantic import BaseModel
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.requests import Request
+from starlette.responses import Response
 
 from strata.engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from strata.launch.async_engine import AsyncEngine
-from strata.runtime.core_client import EngineDeadError
 from strata.launch.server.metrics import ServerMetrics
+from strata.launch.server.streams import DONE, EngineRun, EventStream, Job, sse, unless_disconnected
 from strata.launch.server.structured import logit_bias_of, structured_outputs_of
 from strata.launch.server.tool_calls import ToolPlan, template_messages, tool_plan
 from strata.launch.server.tool_parsers import CallDelta, ParsedDelta, ToolCallParser, collect
@@ -54,7 +50,7 @@ from strata.launch.server.protocol import (
     Usage,
 )
 from strata.launch.output_processor import CompletionDelta
-from strata.launch.outputs import CompletionOutput, RequestOutput
+from strata.launch.outputs import CompletionOutput
 from strata.launch.prompts import encode_chat
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -63,32 +59,8 @@ SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "min_tokens", "ignore_eos",
 )
-_DONE = b"data: [DONE]\n\n"
 
 RequestT = TypeVar("RequestT", bound=GenerationRequest)
-T = TypeVar("T")
-
-
-@dataclass
-class Job:
-    """An OpenAI request translated for the engine: one engine request per prompt, whose
-    choices are numbered prompt-major (choice ``p * n + i`` is prompt ``p``'s ``i``-th)."""
-
-    request_id: str
-    created: int
-    prompts: list[list[int]]  # token ids; several only for /v1/completions with a list
-    params: SamplingParams
-    stream: bool
-    include_usage: bool
-    cache_salt: str | None = None
-    priority: int = 0
-    echo: list[str] | None = None  # each prompt's text, to put before its choices' text
-    tools: ToolPlan | None = None
-    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per streamed choice
-
-    @property
-    def num_choices(self) -> int:
-        return len(self.prompts) * self.params.n
 
 
 class OpenAIEndpoint(ABC, Generic[RequestT]):
@@ -106,19 +78,19 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
         """Answer ``body``: one JSON response, or an SSE stream of chunks ending ``[DONE]``.
         ``tenant_salt`` (per-API-key isolation) goes before the body's own ``cache_salt``."""
         job = await self.engine.off_loop(self._job, body, tenant_salt)
-        run = _EngineRun(self.engine, self.metrics, job)
+        run = EngineRun(self.engine, self.metrics, job)
         if not job.stream:
             try:
-                choices = await _unless_disconnected(request, run.collect())
+                choices = await unless_disconnected(request, run.collect())
             finally:
                 await run.close()
             return json_response(self.response(job, choices))
         try:
-            await _unless_disconnected(request, run.start())
+            await unless_disconnected(request, run.start())
         except BaseException:
             await run.close()
             raise
-        return _EventStream(self._events(job, run))
+        return EventStream(self._events(job, run))
 
     # ---- what subclasses supply ----
 
@@ -215,21 +187,21 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
             param = field if field in SamplingParams.__struct_fields__ else None
             raise APIError(400, str(error), param=param) from None
 
-    async def _events(self, job: Job, run: "_EngineRun") -> AsyncGenerator[bytes, None]:
+    async def _events(self, job: Job, run: EngineRun) -> AsyncGenerator[bytes, None]:
         try:
             for chunk in self.opening_chunks(job):
-                yield _sse(chunk)
+                yield sse(chunk)
             async for delta in run.deltas():
                 chunk = self.chunk(job, delta, run.completion(delta.index))
                 if chunk is not None:
-                    yield _sse(chunk)
+                    yield sse(chunk)
             if job.include_usage:
-                yield _sse(self.usage_chunk(job, run.usage()))
+                yield sse(self.usage_chunk(job, run.usage()))
         except APIError as error:  # headers are sent: the error goes in the stream, as OpenAI does
-            yield _sse(error.body)
+            yield sse(error.body)
         finally:
             await run.close()
-        yield _DONE
+        yield DONE
 
 
 class Completions(OpenAIEndpoint[CompletionRequest]):
@@ -294,7 +266,7 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
                     finish_reason=completion.finish_reason,
                 )
             )
-        return CompletionResponse(**self.envelope(job), choices=rendered, usage=_usage(job, choices))
+        return CompletionResponse(**self.envelope(job), choices=rendered, usage=job.usage(choices))
 
     def _logprobs(self, entries: list[dict[int, float]], text_offset: int) -> CompletionLogprobs:
         """OpenAI's legacy shape: per token its text, logprob, start offset in the completion's
@@ -410,7 +382,7 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
                     finish_reason=_finish_reason(completion.finish_reason, parser),
                 )
             )
-        return ChatCompletionResponse(**self.envelope(job), choices=rendered, usage=_usage(job, choices))
+        return ChatCompletionResponse(**self.envelope(job), choices=rendered, usage=job.usage(choices))
 
     def _parser(self, job: Job, index: int) -> ToolCallParser | None:
         if job.tools is None:
@@ -461,156 +433,11 @@ def _finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | N
     return reason
 
 
-class _EngineRun:
-    """One job in the engine, one engine request per prompt: their deltas merged, renumbered
-    as choices, with failures turned into ``APIError``; their cumulative outputs, which the
-    metrics observe when the run is closed."""
-
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, job: Job) -> None:
-        self._engine = engine
-        self._metrics = metrics
-        self._job = job
-        several = len(job.prompts) > 1
-        self._request_ids = [f"{job.request_id}-{p}" if several else job.request_id for p in range(len(job.prompts))]
-        self._outputs: list[RequestOutput | None] = [None] * len(job.prompts)
-        self._arrivals: asyncio.Queue[tuple[int, CompletionDelta | Exception | None]] = asyncio.Queue()
-        self._pumps = [asyncio.ensure_future(self._pump(p)) for p in range(len(job.prompts))]
-        self._streaming = len(job.prompts)
-        self._first: CompletionDelta | None = None
-
-    async def start(self) -> None:
-        """Wait for the first delta. A stream does this before it answers, so that what the
-        engine rejects at once (and a dead engine) still gets an HTTP error status."""
-        self._first = await self._next()
-
-    async def deltas(self) -> AsyncGenerator[CompletionDelta, None]:
-        """The deltas, with ``index`` the choice's."""
-        if self._first is not None:
-            yield self._first
-        while (delta := await self._next()) is not None:
-            yield delta
-
-    async def collect(self) -> list[CompletionOutput]:
-        async for _ in self.deltas():
-            pass
-        return [self.completion(index) for index in range(self._job.num_choices)]
-
-    def completion(self, index: int) -> CompletionOutput:
-        output = self._outputs[index // self._job.params.n]
-        assert output is not None  # a request yields at least its finishing delta
-        return output.outputs[index % self._job.params.n]
-
-    def usage(self) -> Usage:
-        return _usage(self._job, [self.completion(index) for index in range(self._job.num_choices)])
-
-    async def close(self) -> None:
-        for pump in self._pumps:
-            pump.cancel()  # closes its engine stream, which aborts the request if still running
-        # Observed before the first await: a request whose client left is closed from a task
-        # being cancelled, where any await may be the last (an unfinished choice counts as abort).
-        for output in self._outputs:
-            if output is not None:
-                self._metrics.observe(output)
-        await asyncio.gather(*self._pumps, return_exceptions=True)
-
-    async def _pump(self, prompt_index: int) -> None:
-        job, request_id = self._job, self._request_ids[prompt_index]
-        deltas = self._engine.generate(
-            job.prompts[prompt_index], job.params, request_id, priority=job.priority, cache_salt=job.cache_salt
-        )
-        try:
-            async for delta in deltas:
-                # The engine drops a request's output once its stream ends: keep a reference.
-                self._outputs[prompt_index] = self._outputs[prompt_index] or self._engine.output_of(request_id)
-                self._arrivals.put_nowait((prompt_index, delta))
-        except Exception as error:  # handed to the reader, which raises it
-            self._arrivals.put_nowait((prompt_index, error))
-        else:
-            self._arrivals.put_nowait((prompt_index, None))
-        finally:
-            await deltas.aclose()
-
-    async def _next(self) -> CompletionDelta | None:
-        while self._streaming:
-            prompt_index, item = await self._arrivals.get()
-            if item is None:
-                self._streaming -= 1
-                continue
-            if isinstance(item, EngineDeadError):
-                raise APIError.unavailable(str(item))
-            if isinstance(item, Exception):
-                raise item
-            if item.error is not None:
-                raise await self._engine_error(item.error)
-            return dataclasses.replace(item, index=prompt_index * self._job.params.n + item.index)
-        return None
-
-    async def _engine_error(self, message: str) -> APIError:
-        """The engine failed the request: the request's fault (400) if the engine is still
-        alive, else the engine's (503). A dying worker fails its requests just before the
-        engine reports its own death, so ask the engine rather than trust the order."""
-        try:
-            await self._engine.check_health()
-        except (RuntimeError, TimeoutError):  # EngineDeadError is a RuntimeError
-            return APIError.unavailable(message)
-        return APIError(400, message)
-
-
-class _EventStream(StreamingResponse):
-    """An SSE response that closes its events however the response ends, so that a client
-    that goes away aborts its request in the engine at once, not when the iterator happens
-    to be garbage-collected."""
-
-    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._events.aclose()
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``, but cancel it and raise ``ClientDisconnect`` if the client goes first."""
-    work_task = asyncio.ensure_future(work)
-    disconnect = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait((work_task, disconnect), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        work_task.cancel()
-        disconnect.cancel()
-        # Both must be over before the caller closes the run the work was iterating.
-        await asyncio.wait((work_task, disconnect))
-    if work_task in done:
-        return work_task.result()
-    raise ClientDisconnect()
-
-
-async def _disconnected(request: Request) -> None:
-    # The body has been read: the next ASGI message is the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def _cache_salt(tenant_salt: str | None, request_salt: str | None) -> str | None:
     if tenant_salt is None:
         return request_salt
     # The tenant part has a fixed form and length, so no request salt can forge another's.
     return tenant_salt if request_salt is None else f"{tenant_salt}/{request_salt}"
-
-
-def _usage(job: Job, choices: list[CompletionOutput]) -> Usage:
-    completion_tokens = sum(len(completion.token_ids) for completion in choices)
-    prompt_tokens = sum(len(prompt) for prompt in job.prompts)
-    return Usage(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
-    )
-
-
-def _sse(model: BaseModel) -> bytes:
-    return b"data: " + model.model_dump_json().encode() + b"\n\n"
 
 
 def json_response(model: BaseModel, status: int = 200) -> Response:

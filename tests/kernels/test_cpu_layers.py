@@ -1,4 +1,4 @@
-"""The fused C layer kernels (``kernels.cpu_layers``) equal the torch code in ``worker/llama.py``.
+"""The fused C layer kernels (``kernels.cpu_layers``) equal the torch code in ``worker/layers.py``.
 
 Tolerances: fp32 ``1e-5`` (summation order, the exponential's last bits); bf16/fp16 one ulp of
 the dtype at the values' magnitude (``rtol`` 1/128 and 1/1024), since the kernels round where
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from strata.kernels import cpu_layers
-from strata.worker.llama import apply_rotary, rms_norm, silu_and_mul
+from strata.worker.layers import apply_rotary, rms_norm, silu_and_mul
 
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1 / 128), torch.float16: (1e-3, 1 / 1024)}
 IDS = ["fp32", "bf16", "fp16"]

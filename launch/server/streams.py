@@ -1,0 +1,203 @@
+"""One OpenAI request's streams: the engine's, merged into one stream of choices, and the
+client's, server-sent events.
+
+A ``Job`` is the request translated for the engine: one engine request per prompt, each with
+``n`` choices. ``EngineRun`` runs it and merges the engine requests' deltas into one stream,
+renumbered as the job's choices (choice ``p * n + i`` is prompt ``p``'s ``i``-th). The
+endpoints (``launch/server/completions.py``) render each delta as a chunk; ``sse`` frames it
+for the ``EventStream``, which ends with ``DONE``. ``unless_disconnected`` stops waiting on the
+engine when the client leaves.
+"""
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncGenerator, Awaitable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from strata.engine_core.sampling_params import SamplingParams
+from strata.launch.async_engine import AsyncEngine
+from strata.launch.output_processor import CompletionDelta
+from strata.launch.outputs import CompletionOutput, RequestOutput
+from strata.launch.server.metrics import ServerMetrics
+from strata.launch.server.protocol import APIError, Usage
+from strata.launch.server.tool_calls import ToolPlan
+from strata.launch.server.tool_parsers import ToolCallParser
+from strata.runtime.core_client import EngineDeadError
+
+DONE = b"data: [DONE]\n\n"  # the last event of every stream, as OpenAI sends it
+
+T = TypeVar("T")
+
+
+@dataclass
+class Job:
+    """An OpenAI request translated for the engine: one engine request per prompt, whose
+    choices are numbered prompt-major (choice ``p * n + i`` is prompt ``p``'s ``i``-th)."""
+
+    request_id: str
+    created: int
+    prompts: list[list[int]]  # token ids; several only for /v1/completions with a list
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    cache_salt: str | None = None
+    priority: int = 0
+    echo: list[str] | None = None  # each prompt's text, to put before its choices' text
+    tools: ToolPlan | None = None
+    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per streamed choice
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.params.n
+
+    def usage(self, choices: list[CompletionOutput]) -> Usage:
+        """Token counts of the prompts and of ``choices``."""
+        completion_tokens = sum(len(completion.token_ids) for completion in choices)
+        prompt_tokens = sum(len(prompt) for prompt in self.prompts)
+        return Usage(
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+        )
+
+
+class EngineRun:
+    """One job in the engine, one engine request per prompt: their deltas merged, renumbered
+    as choices, with failures turned into ``APIError``; their cumulative outputs, which the
+    metrics observe when the run is closed."""
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, job: Job) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._job = job
+        several = len(job.prompts) > 1
+        self._request_ids = [f"{job.request_id}-{p}" if several else job.request_id for p in range(len(job.prompts))]
+        self._outputs: list[RequestOutput | None] = [None] * len(job.prompts)
+        self._arrivals: asyncio.Queue[tuple[int, CompletionDelta | Exception | None]] = asyncio.Queue()
+        self._pumps = [asyncio.ensure_future(self._pump(p)) for p in range(len(job.prompts))]
+        self._streaming = len(job.prompts)
+        self._first: CompletionDelta | None = None
+
+    async def start(self) -> None:
+        """Wait for the first delta. A stream does this before it answers, so that what the
+        engine rejects at once (and a dead engine) still gets an HTTP error status."""
+        self._first = await self._next()
+
+    async def deltas(self) -> AsyncGenerator[CompletionDelta, None]:
+        """The deltas, with ``index`` the choice's."""
+        if self._first is not None:
+            yield self._first
+        while (delta := await self._next()) is not None:
+            yield delta
+
+    async def collect(self) -> list[CompletionOutput]:
+        async for _ in self.deltas():
+            pass
+        return [self.completion(index) for index in range(self._job.num_choices)]
+
+    def completion(self, index: int) -> CompletionOutput:
+        output = self._outputs[index // self._job.params.n]
+        assert output is not None  # a request yields at least its finishing delta
+        return output.outputs[index % self._job.params.n]
+
+    def usage(self) -> Usage:
+        return self._job.usage([self.completion(index) for index in range(self._job.num_choices)])
+
+    async def close(self) -> None:
+        for pump in self._pumps:
+            pump.cancel()  # closes its engine stream, which aborts the request if still running
+        # Observed before the first await: a request whose client left is closed from a task
+        # being cancelled, where any await may be the last (an unfinished choice counts as abort).
+        for output in self._outputs:
+            if output is not None:
+                self._metrics.observe(output)
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
+    async def _pump(self, prompt_index: int) -> None:
+        job, request_id = self._job, self._request_ids[prompt_index]
+        deltas = self._engine.generate(
+            job.prompts[prompt_index], job.params, request_id, priority=job.priority, cache_salt=job.cache_salt
+        )
+        try:
+            async for delta in deltas:
+                # The engine drops a request's output once its stream ends: keep a reference.
+                self._outputs[prompt_index] = self._outputs[prompt_index] or self._engine.output_of(request_id)
+                self._arrivals.put_nowait((prompt_index, delta))
+        except Exception as error:  # handed to the reader, which raises it
+            self._arrivals.put_nowait((prompt_index, error))
+        else:
+            self._arrivals.put_nowait((prompt_index, None))
+        finally:
+            await deltas.aclose()
+
+    async def _next(self) -> CompletionDelta | None:
+        while self._streaming:
+            prompt_index, item = await self._arrivals.get()
+            if item is None:
+                self._streaming -= 1
+                continue
+            if isinstance(item, EngineDeadError):
+                raise APIError.unavailable(str(item))
+            if isinstance(item, Exception):
+                raise item
+            if item.error is not None:
+                raise await self._engine_error(item.error)
+            return dataclasses.replace(item, index=prompt_index * self._job.params.n + item.index)
+        return None
+
+    async def _engine_error(self, message: str) -> APIError:
+        """The engine failed the request: the request's fault (400) if the engine is still
+        alive, else the engine's (503). A dying worker fails its requests just before the
+        engine reports its own death, so ask the engine rather than trust the order."""
+        try:
+            await self._engine.check_health()
+        except (RuntimeError, TimeoutError):  # EngineDeadError is a RuntimeError
+            return APIError.unavailable(message)
+        return APIError(400, message)
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that closes its events however the response ends, so that a client
+    that goes away aborts its request in the engine at once, not when the iterator happens
+    to be garbage-collected."""
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+def sse(model: BaseModel) -> bytes:
+    """One server-sent event whose data is ``model`` as JSON."""
+    return b"data: " + model.model_dump_json().encode() + b"\n\n"
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, but cancel it and raise ``ClientDisconnect`` if the client goes first."""
+    work_task = asyncio.ensure_future(work)
+    disconnect = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait((work_task, disconnect), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        work_task.cancel()
+        disconnect.cancel()
+        # Both must be over before the caller closes the run the work was iterating.
+        await asyncio.wait((work_task, disconnect))
+    if work_task in done:
+        return work_task.result()
+    raise ClientDisconnect()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read: the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
