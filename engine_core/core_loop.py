@@ -16,7 +16,6 @@ from strata.engine_core.core import EngineCore
 from strata.engine_core.ipc import make_socket
 from strata.engine_core.protocol import (
     AbortRequests,
-    CoreMessage,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineDead,

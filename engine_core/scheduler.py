@@ -18,7 +18,6 @@ from strata.engine_core.kv_cache_manager import KVCacheManager
 from strata.engine_core.kv_connector import SchedulerConnector
 from strata.engine_core.kv_events import KVEvent
 from strata.engine_core.protocol import (
-    CachedRequestData,
     EngineCoreOutputs,
     FinishedRequest,
     ModelRunnerOutput,

@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 
 from strata.worker.model_loader import resolve_model_path
 
-from model_factory import TINY_CONFIGS, save_tiny_model, tiny_gemma3_config, tiny_llama_config
+from model_factory import TINY_CONFIGS, save_tiny_model, tiny_gemma3_config
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 

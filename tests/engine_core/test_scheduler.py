@@ -3,7 +3,7 @@ persistent batch from the per-step diffs."""
 
 from strata.engine_core.kv_connector import SchedulerConnector
 from strata.engine_core.protocol import KVConnectorOutput, ModelRunnerOutput, unpack_handles
-from strata.engine_core.request import Request, RequestStatus
+from strata.engine_core.request import RequestStatus
 from strata.engine_core.scheduler import Scheduler, SchedulerConfig
 from fake_runner import FakeRunner, run_to_completion, step
 
