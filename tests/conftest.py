@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -9,6 +11,22 @@ import torch
 # for every test. setdefault leaves an explicit choice by the caller alone.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# pytest-xdist runs the suite in worker processes side by side (``-n`` in pyproject.toml). Each
+# takes one core: torch in the worker, and every engine it starts, run one thread each
+# (OMP_NUM_THREADS is inherited), as two workers' thread pools on two cores would spin against
+# each other. Each worker gets a temporary directory of its own, so checks for IPC directories
+# left behind in it see only that worker's.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER is not None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    os.environ["TMPDIR"] = tempfile.tempdir = tempfile.mkdtemp(prefix=f"{XDIST_WORKER}-")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if XDIST_WORKER is not None:
+        shutil.rmtree(tempfile.gettempdir(), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
