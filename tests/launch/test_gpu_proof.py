@@ -18,8 +18,13 @@ def load_driver():
     return module
 
 
+def running_children() -> set[psutil.Process]:
+    return {child for child in psutil.Process().children(recursive=True) if child.status() != psutil.STATUS_ZOMBIE}
+
+
 def test_tiny_proof_writes_every_figure_as_json_and_markdown(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    before = running_children()  # helpers earlier tests left for the process's life (multiprocessing's resource tracker)
     load_driver().main(["--tiny", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["copy_bandwidth_bytes_per_s"] > 0 and results["matmul_peak_flop_per_s"] > 0
@@ -31,4 +36,4 @@ def test_tiny_proof_writes_every_figure_as_json_and_markdown(tmp_path, monkeypat
     assert [(load["completed"], load["failed"]) for load in results["serve"]] == [(4, 0)]
     table = (tmp_path / "results.md").read_text()
     assert "| decode step tiny, batch 4 x 64 |" in table and "| bench serve, concurrency 2 |" in table
-    assert not [child for child in psutil.Process().children(recursive=True) if child.status() != psutil.STATUS_ZOMBIE]
+    assert running_children() - before == set()
