@@ -52,7 +52,9 @@ fi
 # The Triton kernel tests run compiled on CUDA (no interpreter), then every test marked gpu.
 unset TRITON_INTERPRET
 status=0
-HF_HUB_OFFLINE=1 timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider \
+# -o addopts: the suite's own options run pytest-xdist workers, which a GPU host lacks and one GPU
+# must not be shared by.
+HF_HUB_OFFLINE=1 timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="-ra" \
     tests/kernels/test_triton_attention.py tests/kernels/test_triton_kv_cache.py tests/kernels/test_triton_engine.py \
     tests/worker/test_cuda_graphs.py tests/worker/test_tensor_parallel.py tests/gpu \
     --junitxml="$OUT_DIR/tests.xml" 2>&1 | tee "$OUT_DIR/tests.log" || status=1
