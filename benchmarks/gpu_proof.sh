@@ -183,6 +183,16 @@ phase_bench() {
     run_limited bench "$PYTHON" benchmarks/gpu_proof.py --out "$OUT_DIR" || failures+=("benchmarks")
 }
 
+summarize() {
+    local failed=nothing
+    if ((${#failures[@]})); then
+        printf -v failed '%s, ' "${failures[@]}"
+        failed=${failed%, }
+    fi
+    say "gpu proof finished in $(($(date +%s) - $1)) s; failed: $failed"
+    ((${#failures[@]} == 0))
+}
+
 main() {
     parse_args "$@"
     mkdir -p "$OUT_DIR"
@@ -214,8 +224,7 @@ main() {
         fi
     fi
 
-    say "gpu proof finished in $(($(date +%s) - started)) s; failed: ${failures[*]:-nothing}"
-    ((${#failures[@]} == 0))
+    summarize "$started"
 }
 
 main "$@"

@@ -99,4 +99,4 @@ def test_the_script_reports_what_is_missing_installs_each_wheel_on_its_own_and_g
     assert "missing: zmq (pyzmq-1.0-py3-none-any.whl did not install)" in log
     assert f"missing: ray (no ray wheel in {wheels})" in log
     assert "skipped: Ray" in log and "skipped: bench serve (needs fastapi)" in log
-    assert "failed: preflight no torch or Triton: nothing can run" in log
+    assert "failed: preflight, no torch or Triton: nothing can run" in log
