@@ -65,6 +65,9 @@ def triton_kernel() -> str:
     import triton
     import triton.language as tl
 
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device to run it on")
+
     @triton.jit
     def add_one(source, target, count, BLOCK: tl.constexpr):
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
