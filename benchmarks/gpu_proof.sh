@@ -153,9 +153,13 @@ run_limited() {
     return "$status"
 }
 
-# The script itself stopped (Ctrl-C, a host's time limit): stop the running command like timeout would.
+# The script itself was stopped (Ctrl-C, the host's time limit): stop the running command as its
+# timeout would, and wait while it stops its own processes (at most KILL_AFTER_S).
 stop_current() {
-    [[ -n $current_pid ]] && kill -TERM -- "-$current_pid" 2>/dev/null
+    if [[ -n $current_pid ]]; then
+        kill -TERM -- "-$current_pid" 2>/dev/null
+        wait "$current_pid"
+    fi
     exit 143
 }
 
