@@ -10,7 +10,8 @@
 # wheel is named and the parts that need it are skipped. Then the phase: `tests` (the Triton
 # kernel tests compiled, and the tests marked gpu) or `bench` (benchmarks/gpu_proof.py), each
 # within one host command's 10 minutes; `all` runs both; `install` stops after the install.
-# Everything it prints is also written into OUT_DIR. Exit status 1 if any step failed.
+# Everything it prints is also written into OUT_DIR (proof.log gathers every run). Exit status 1 if
+# any step failed.
 set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -200,7 +201,6 @@ summarize() {
 main() {
     parse_args "$@"
     mkdir -p "$OUT_DIR"
-    : >"$OUT_DIR/proof.log"
     cd "$REPO" || exit 1
     SITE=$(mktemp -d)
     trap 'rm -rf "$SITE"' EXIT
