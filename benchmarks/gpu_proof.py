@@ -10,24 +10,33 @@ Measured, with dummy (random) weights of Llama-3.2-1B and Llama-3.1-8B shapes in
   bandwidth; CUDA graphs against eager at batch 1;
 - the attention kernel alone: decode (bytes of KV read / time against the bandwidth) and
   prefill (causal FLOPs / time against the matmul peak);
-- ``strata bench throughput`` and ``strata bench serve`` on the 8B shape.
-Writes ``results.json``, ``results.md`` and the server's ``serve.log`` into ``--out``.
+- ``strata bench throughput`` and ``strata bench serve`` on the 8B shape, with a word-level
+  tokenizer built here (``save_tokenizer``): no model package is needed.
+Each section runs on its own: one that raises is recorded with its error and the next runs;
+``results.json`` and ``results.md`` in ``--out`` are rewritten after every section, and each
+figure is printed as it is measured. The server's output goes to ``serve.log`` there.
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
 import signal
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import LlamaConfig
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 from strata import LLM
 from strata.launch.bench import serve as bench_serve
@@ -36,7 +45,7 @@ from strata.launch.bench.server_process import ServerProcess, free_port, strata_
 from strata.worker.attention import AttentionMetadata, get_attention_backend
 from strata.worker.cuda_graphs import CudaGraphRunner, PaddedDecode
 from strata.worker.input_batch import StepInputs
-from strata.worker.model_loader import load_model, resolve_model_path
+from strata.worker.model_loader import load_model
 from strata.worker.parallel_state import TensorParallel
 
 SHAPES = {
@@ -48,13 +57,15 @@ SHAPES = {
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
     ),
-    # The default model's tokenizer has 49,152 ids, so the tiny model takes them all.
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=49152, tie_word_embeddings=False,
+        num_key_value_heads=2, head_dim=16, vocab_size=1024, tie_word_embeddings=False,
     ),
 }
 BLOCK_SIZE = 16
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
+# Imported by ``strata serve`` only; a host without them skips the serve section.
+SERVER_MODULES = ("fastapi", "uvicorn", "llguidance")
 # Targets of issue 13.
 DECODE_BOUND_RATIO = 1.3
 GRAPH_SPEEDUP = 3.0
@@ -102,6 +113,23 @@ def save_shape(name: str, root: Path) -> Path:
     """A directory holding only the config.json of shape ``name``."""
     path = root / name
     LlamaConfig(**SHAPES[name], max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5).save_pretrained(path)
+    return path
+
+
+def save_tokenizer(path: Path, vocab_size: int) -> Path:
+    """Save to ``path`` a word-level tokenizer of exactly ``vocab_size`` ids: the special tokens,
+    every word of the benchmarks' texts (so their prompts are distinct token sequences), then
+    placeholders, so that every id a dummy model samples decodes."""
+    split = pre_tokenizers.Whitespace()
+    texts = [bench_throughput.CORPUS, " ".join(bench_serve._WORDS)]
+    words = dict.fromkeys(SPECIAL_TOKENS + [word for text in texts for word, _ in split.pre_tokenize_str(text)])
+    vocab = {word: index for index, word in enumerate(words)}
+    if len(vocab) > vocab_size:
+        raise ValueError(f"the benchmarks' texts have {len(vocab)} distinct words, more than {vocab_size} ids")
+    vocab |= {f"<unused_{index}>": index for index in range(len(vocab), vocab_size)}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = split
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(path)
     return path
 
 
@@ -159,14 +187,14 @@ def _decode_inputs(batch: int, context: int, vocab_size: int, generator: torch.G
     )
 
 
-def decode_steps(plan: Plan, shape: str, config_dir: Path, bandwidth: float) -> list[dict]:
-    """Decode step time per batch size against the memory bound; graphs against eager at batch 1."""
+def decode_steps(plan: Plan, shape: str, config_dir: Path, bandwidth: float) -> Iterator[dict]:
+    """Decode step time at each batch size against the memory bound, and graphs against eager,
+    one row per batch size as it is measured."""
     device, dtype = torch.device(plan.device), getattr(torch, plan.dtype)
     backend = get_attention_backend(None, device)
     model = load_model(config_dir, dtype, TensorParallel(0, 1), backend, device, "dummy")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     generator = torch.Generator().manual_seed(0)
-    rows = []
     for batch in plan.decode_batches:
         inputs = _decode_inputs(batch, plan.context, model.vocab_size, generator)
         num_blocks = batch * inputs.block_tables.shape[1]
@@ -191,11 +219,10 @@ def decode_steps(plan: Plan, shape: str, config_dir: Path, bandwidth: float) -> 
         row["ratio_to_bound"] = best / row["memory_bound_ms"]
         if "graphs_ms" in row:
             row["graph_speedup"] = row["eager_ms"] / row["graphs_ms"]
-        rows.append(row)
         del modes, caches
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return rows
+        yield row
 
 
 def _attention_batch(plan: Plan, num_seqs: int, query_len: int, context: int):
@@ -247,35 +274,44 @@ def prefill_attention(plan: Plan, peak: float) -> dict:
             "fraction_of_matmul_peak": flops / seconds / peak}
 
 
-def _engine_flags(plan: Plan, config_dir: Path, tokenizer: Path) -> dict:
-    return {"load_format": "dummy", "tokenizer": str(tokenizer), "device": plan.device, "dtype": plan.dtype,
+def engine_model(plan: Plan, root: Path) -> Path:
+    """The end-to-end benchmarks' model directory: the config.json of ``plan.e2e_shape`` and a
+    tokenizer of its vocabulary."""
+    path = save_shape(plan.e2e_shape, root)
+    return save_tokenizer(path, SHAPES[plan.e2e_shape]["vocab_size"])
+
+
+def _engine_flags(plan: Plan, model_dir: Path) -> dict:
+    return {"load_format": "dummy", "tokenizer": str(model_dir), "device": plan.device, "dtype": plan.dtype,
             "max_model_len": 2048, **plan.engine_args}
 
 
-def throughput(plan: Plan, config_dir: Path, tokenizer: Path) -> dict:
+def throughput(plan: Plan, model_dir: Path) -> dict:
     num_prompts, input_len, output_len = plan.throughput
     workload = bench_throughput.Workload(
         num_prompts=num_prompts, input_len_min=input_len, input_len_max=input_len, output_len=output_len
     )
-    with LLM(str(config_dir / "config.json"), **_engine_flags(plan, config_dir, tokenizer)) as llm:
+    with LLM(str(model_dir / "config.json"), **_engine_flags(plan, model_dir)) as llm:
         return bench_throughput.run(llm, workload)
 
 
-def serve(plan: Plan, config_dir: Path, tokenizer: Path, log: Path, startup_timeout_s: float = 300) -> list[dict]:
+def serve(plan: Plan, model_dir: Path, log: Path, startup_timeout_s: float = 300) -> Iterator[dict]:
     """``strata serve`` in a child process (its output in ``log``), loaded by ``strata bench serve``
-    at each concurrency."""
+    at each concurrency, one result per concurrency as it is measured. Raises ``Skipped`` where
+    a module the server imports is not installed."""
+    missing = [module for module in SERVER_MODULES if importlib.util.find_spec(module) is None]
+    if missing:
+        raise Skipped(f"not installed: {', '.join(missing)}")
     port = free_port()
-    flags = ["--model", str(config_dir / "config.json")]
-    for name, value in (_engine_flags(plan, config_dir, tokenizer) | {"executor": "mp"}).items():
+    flags = ["--model", str(model_dir / "config.json")]
+    for name, value in (_engine_flags(plan, model_dir) | {"executor": "mp"}).items():
         flags += [f"--{name.replace('_', '-')}", str(value)]
     with ServerProcess(strata_serve_command(port, flags), port, log) as server:
         server.wait_healthy(startup_timeout_s)
-        results = []
         for concurrency in plan.serve_concurrency:
             load = bench_serve.Load(url=server.url, num_prompts=max(4, 2 * concurrency), max_concurrency=concurrency,
                                     max_tokens=plan.serve_max_tokens)
-            results.append(bench_serve.run(load))
-        return results
+            yield bench_serve.run(load)
 
 
 def device_name(plan: Plan) -> str:
@@ -287,21 +323,77 @@ def device_name(plan: Plan) -> str:
     return "cpu"
 
 
-def run(plan: Plan, out: Path, tokenizer: Path) -> dict:
-    started = time.monotonic()
-    models = Path(out) / "models"
-    results: dict = {"device": device_name(plan), "plan": asdict(plan), "torch": torch.__version__}
-    results["copy_bandwidth_bytes_per_s"] = bandwidth = copy_bandwidth(plan)
-    results["matmul_peak_flop_per_s"] = peak = matmul_peak(plan)
-    results["decode_steps"] = [row for shape in plan.decode_shapes for row in decode_steps(plan, shape, save_shape(shape, models), bandwidth)]
-    results["decode_attention"] = decode_attention(plan, bandwidth)
-    results["prefill_attention"] = prefill_attention(plan, peak)
+class Skipped(Exception):
+    """Raised by a section that cannot run on this host; its message says why."""
+
+
+class Report:
+    """One run's results, rewritten as ``results.json`` and ``results.md`` in ``out`` after every
+    section; each figure's table line is printed as it is added."""
+
+    def __init__(self, out: Path, results: dict) -> None:
+        self.out = out
+        self.results = results | {"sections": {}}
+        self.started = time.monotonic()
+
+    @contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """Run the ``with`` body as section ``name``: its status in ``results["sections"]`` is ok,
+        ``skipped: WHY``, ``error: `` and the last line of its traceback (the run goes on with the
+        next section), or interrupted (a signal's exit, which is not held up)."""
+        print(f"-- {name}", flush=True)
+        status = "interrupted"
+        try:
+            yield
+            status = "ok"
+        except Skipped as reason:
+            status = f"skipped: {reason}"
+        except Exception:
+            traceback.print_exc()
+            status = "error: " + traceback.format_exc().strip().splitlines()[-1]
+        finally:
+            self.results["sections"][name] = status
+            self.write()
+        print(f"-- {name}: {status}", flush=True)
+
+    def add(self, key: str, value: object) -> None:
+        self.results[key] = value
+        print(*FIGURE_LINES[key](value, self.results), sep="\n", flush=True)
+
+    def append(self, key: str, row: dict) -> None:
+        self.results.setdefault(key, []).append(row)
+        print(*FIGURE_LINES[key](row, self.results), sep="\n", flush=True)
+
+    def write(self) -> None:
+        self.results["elapsed_s"] = time.monotonic() - self.started
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=2))
+        (self.out / "results.md").write_text(markdown(self.results))
+
+
+def run(plan: Plan, out: Path, models: Path) -> dict:
+    """Every section of ``plan`` in turn (see the module's docstring), the models' config.json and
+    tokenizer saved under ``models``; the results as written."""
+    report = Report(out, {"device": device_name(plan), "plan": asdict(plan), "torch": torch.__version__})
+    results = report.results
+    with report.section("copy bandwidth"):
+        report.add("copy_bandwidth_bytes_per_s", copy_bandwidth(plan))
+    with report.section("matmul peak"):
+        report.add("matmul_peak_flop_per_s", matmul_peak(plan))
+    for shape in plan.decode_shapes:
+        with report.section(f"decode steps {shape}"):
+            for row in decode_steps(plan, shape, save_shape(shape, models), results["copy_bandwidth_bytes_per_s"]):
+                report.append("decode_steps", row)
+    with report.section("decode attention"):
+        report.add("decode_attention", decode_attention(plan, results["copy_bandwidth_bytes_per_s"]))
+    with report.section("prefill attention"):
+        report.add("prefill_attention", prefill_attention(plan, results["matmul_peak_flop_per_s"]))
     if plan.device == "cuda":
         torch.cuda.empty_cache()  # the engines' workers size their KV cache from what is free
-    e2e_dir = save_shape(plan.e2e_shape, models)
-    results["throughput"] = throughput(plan, e2e_dir, tokenizer)
-    results["serve"] = serve(plan, e2e_dir, tokenizer, out / "serve.log")
-    results["elapsed_s"] = time.monotonic() - started
+    with report.section("bench throughput"):
+        report.add("throughput", throughput(plan, engine_model(plan, models)))
+    with report.section("bench serve"):
+        for load in serve(plan, engine_model(plan, models), out / "serve.log"):
+            report.append("serve", load)
     return results
 
 
@@ -310,67 +402,105 @@ def _check(value: float, target: float, at_most: bool = False) -> str:
     return "yes" if met else "**no**"
 
 
-def markdown(results: dict) -> str:
-    """The results as one Markdown table: figure, value, target, met."""
-    lines = [f"Device: {results['device']} (torch {results['torch']}); run took {results['elapsed_s']:.0f} s.", "",
-             "| figure | value | target | met |", "|---|---|---|---|",
-             f"| device-to-device copy bandwidth | {results['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s | - | - |",
-             f"| matmul peak ({results['plan']['dtype']}) | {results['matmul_peak_flop_per_s'] / 1e12:.1f} TFLOP/s | - | - |"]
-    for row in results["decode_steps"]:
-        best = row.get("graphs_ms", row["eager_ms"])
+def _bandwidth_lines(bandwidth: float, results: dict) -> list[str]:
+    return [f"| device-to-device copy bandwidth | {bandwidth / 1e9:.0f} GB/s | - | - |"]
+
+
+def _peak_lines(peak: float, results: dict) -> list[str]:
+    return [f"| matmul peak ({results['plan']['dtype']}) | {peak / 1e12:.1f} TFLOP/s | - | - |"]
+
+
+def _decode_lines(row: dict, results: dict) -> list[str]:
+    best = row.get("graphs_ms", row["eager_ms"])
+    lines = [
+        f"| decode step {row['shape']}, batch {row['batch']} x {row['context']} | {best:.2f} ms "
+        f"(bound {row['memory_bound_ms']:.2f} ms, **{row['ratio_to_bound']:.2f}x**) | <= {DECODE_BOUND_RATIO}x | "
+        f"{_check(row['ratio_to_bound'], DECODE_BOUND_RATIO, at_most=True)} |"
+    ]
+    if row["batch"] == 1 and "graph_speedup" in row:
         lines.append(
-            f"| decode step {row['shape']}, batch {row['batch']} x {row['context']} | {best:.2f} ms "
-            f"(bound {row['memory_bound_ms']:.2f} ms, **{row['ratio_to_bound']:.2f}x**) | <= {DECODE_BOUND_RATIO}x | "
-            f"{_check(row['ratio_to_bound'], DECODE_BOUND_RATIO, at_most=True)} |"
+            f"| CUDA graphs vs eager, {row['shape']}, batch 1 | {row['graphs_ms']:.2f} vs {row['eager_ms']:.2f} ms "
+            f"(**{row['graph_speedup']:.2f}x**) | >= {GRAPH_SPEEDUP}x | {_check(row['graph_speedup'], GRAPH_SPEEDUP)} |"
         )
-        if row["batch"] == 1 and "graph_speedup" in row:
-            lines.append(
-                f"| CUDA graphs vs eager, {row['shape']}, batch 1 | {row['graphs_ms']:.2f} vs {row['eager_ms']:.2f} ms "
-                f"(**{row['graph_speedup']:.2f}x**) | >= {GRAPH_SPEEDUP}x | {_check(row['graph_speedup'], GRAPH_SPEEDUP)} |"
-            )
-    attention = results["decode_attention"]
-    lines.append(
+    return lines
+
+
+def _decode_attention_lines(attention: dict, results: dict) -> list[str]:
+    return [
         f"| decode attention {attention['sequences']} x {attention['context']} | {attention['bytes_per_s'] / 1e9:.0f} GB/s "
         f"(**{attention['fraction_of_bandwidth']:.0%}** of copy) | >= {DECODE_ATTENTION_FRACTION:.0%} | "
         f"{_check(attention['fraction_of_bandwidth'], DECODE_ATTENTION_FRACTION)} |"
-    )
-    prefill = results["prefill_attention"]
-    lines.append(
+    ]
+
+
+def _prefill_attention_lines(prefill: dict, results: dict) -> list[str]:
+    return [
         f"| prefill attention {prefill['sequences']} x {prefill['tokens']} | {prefill['flop_per_s'] / 1e12:.1f} TFLOP/s "
         f"(**{prefill['fraction_of_matmul_peak']:.0%}** of matmul) | >= {PREFILL_ATTENTION_FRACTION:.0%} | "
         f"{_check(prefill['fraction_of_matmul_peak'], PREFILL_ATTENTION_FRACTION)} |"
-    )
-    tp = results["throughput"]
-    lines.append(
+    ]
+
+
+def _throughput_lines(tp: dict, results: dict) -> list[str]:
+    return [
         f"| bench throughput {tp['num_prompts']} x {tp['input_len_min']} -> {tp['output_len']} | "
         f"{tp['output_tokens_per_s']:.0f} output tokens/s | - | - |"
-    )
-    for load in results["serve"]:
-        lines.append(
-            f"| bench serve, concurrency {load['max_concurrency']} | TTFT {_ms(load['median_ttft_ms'])} / "
-            f"TPOT {_ms(load['median_tpot_ms'])} median, {load['failed']} failed | - | - |"
-        )
-    return "\n".join(lines) + "\n"
+    ]
+
+
+def _serve_lines(load: dict, results: dict) -> list[str]:
+    return [
+        f"| bench serve, concurrency {load['max_concurrency']} | TTFT {_ms(load['median_ttft_ms'])} / "
+        f"TPOT {_ms(load['median_tpot_ms'])} median, {load['failed']} failed | - | - |"
+    ]
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:.1f} ms"
 
 
+# Each figure's lines in the table, in the order of the table: a figure kept as a list has lines per row.
+FIGURE_LINES: dict[str, Callable[[object, dict], list[str]]] = {
+    "copy_bandwidth_bytes_per_s": _bandwidth_lines,
+    "matmul_peak_flop_per_s": _peak_lines,
+    "decode_steps": _decode_lines,
+    "decode_attention": _decode_attention_lines,
+    "prefill_attention": _prefill_attention_lines,
+    "throughput": _throughput_lines,
+    "serve": _serve_lines,
+}
+
+
+def markdown(results: dict) -> str:
+    """The figures measured so far as one Markdown table (figure, value, target, met), then every
+    section that did not end ok."""
+    lines = [f"Device: {results['device']} (torch {results['torch']}); run took {results['elapsed_s']:.0f} s.", "",
+             "| figure | value | target | met |", "|---|---|---|---|"]
+    for key, figure_lines in FIGURE_LINES.items():
+        rows = results.get(key, [])
+        for row in rows if isinstance(rows, list) else [rows]:
+            lines += figure_lines(row, results)
+    unfinished = [f"- {name}: {status}" for name, status in results["sections"].items() if status != "ok"]
+    if unfinished:
+        lines += ["", "Sections not completed:", *unfinished]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for results.json and results.md")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the code path, measures nothing")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the default model's)")
     args = parser.parse_args(argv)
     plan = TINY_PLAN if args.tiny else GPU_PLAN
     if plan.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --tiny to check the code path on the CPU")
     args.out.mkdir(parents=True, exist_ok=True)
-    results = run(plan, args.out, args.tokenizer or resolve_model_path(None))
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    (args.out / "results.md").write_text(markdown(results))
+    with tempfile.TemporaryDirectory() as models:
+        results = run(plan, args.out, Path(models))
     print(markdown(results))
+    failed = [name for name, status in results["sections"].items() if status.startswith("error")]
+    if failed:
+        raise SystemExit(f"sections that failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
