@@ -38,6 +38,8 @@ class AttentionBackend(Protocol):
     """What the model needs from an attention backend (the classes below implement it)."""
 
     name: str  # "cpu" for the C kernels, whose decode steps a layer may fuse
+    # Whether a step's forward can be captured in a CUDA graph: no host syncs while it runs.
+    graph_capturable: bool
 
     def forward(
         self,
@@ -55,6 +57,7 @@ class TorchAttentionBackend:
     """The torch reference kernels: the oracle, and the CPU path where the C kernels cannot build."""
 
     name = "torch"
+    graph_capturable = False  # planning a step reads the block tables back to the host
 
     def forward(
         self,
@@ -94,6 +97,7 @@ class CpuAttentionBackend:
     LONG_CHUNK_TOKENS = 64
 
     name = "cpu"
+    graph_capturable = False  # host kernels
 
     def __init__(self) -> None:
         if not cpu_attention.is_available():
@@ -138,6 +142,7 @@ class TritonAttentionBackend:
     """The Triton kernels: the CUDA path (and, under ``TRITON_INTERPRET=1``, a CPU test path)."""
 
     name = "triton"
+    graph_capturable = True
 
     def __init__(self) -> None:
         # Imported here so that the torch path never needs Triton to compile anything.

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from strata.connector.offloading_worker import OffloadingConnectorWorker
 from strata.engine_core.protocol import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput, pack_tokens
-from strata.worker.attention import AttentionMetadata, get_attention_backend
+from strata.worker.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from strata.worker.config import WorkerConfig
 from strata.worker.cpu_memory import check_kv_cache_fits, keep_freed_memory, zeroed_cpu_tensor
 from strata.worker.cuda_graphs import CudaGraphRunner, graph_batch_sizes
@@ -50,7 +50,7 @@ class ModelRunner:
         self.cache_dtype = self.backend.cache_dtype(self.dtype)
         self.block_size = config.block_size
         sizer = KVCacheSizer(config, tp, self.model, self.cache_dtype, self.device)
-        graph_sizes = self._graph_sizes()
+        graph_sizes = cuda_graph_sizes(config, tp, self.device, self.backend)
         self.num_blocks = sizer.num_blocks(graph_sizes)
         cache_shape = (2, self.num_blocks, self.block_size, self.model.num_kv_heads_per_rank, self.model.head_dim)
         if self.device.type == "cpu":
@@ -73,17 +73,6 @@ class ModelRunner:
         if self.num_cpu_blocks:
             factor = (config.kv_offload_block_size or self.block_size) // self.block_size
             self.offload = OffloadingConnectorWorker(self.kv_caches, self.num_cpu_blocks * factor)
-
-    def _graph_sizes(self) -> list[int]:
-        """The decode batch sizes to capture CUDA graphs for; none off CUDA, with
-        ``enforce_eager``, or when the TP group's collectives cannot be captured (gloo)."""
-        config = self.config
-        if self.device.type != "cuda" or config.enforce_eager:
-            return []
-        if self.tp.size > 1 and dist.get_backend(self.tp.group) != "nccl":
-            logger.info("rank %d: no CUDA graphs: %s collectives cannot be captured", self.tp.rank, dist.get_backend(self.tp.group))
-            return []
-        return graph_batch_sizes(config.max_num_seqs, config.cuda_graph_sizes)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, grammar_bitmask: Callable[[], bytes] | None = None) -> ModelRunnerOutput:
@@ -226,6 +215,21 @@ class ModelRunner:
         meta.presence_penalty = self._to_device(batch.presence_penalty[rows])
         meta.frequency_penalty = self._to_device(batch.frequency_penalty[rows])
         meta.repetition_penalty = self._to_device(batch.repetition_penalty[rows])
+
+
+def cuda_graph_sizes(config: WorkerConfig, tp: TensorParallel, device: torch.device, backend: AttentionBackend) -> list[int]:
+    """The decode batch sizes to capture CUDA graphs for; none off CUDA, with ``enforce_eager``,
+    when the attention backend cannot be captured, or when the TP group's collectives cannot be
+    captured (gloo)."""
+    if device.type != "cuda" or config.enforce_eager:
+        return []
+    if not backend.graph_capturable:
+        logger.info("rank %d: no CUDA graphs: the %s attention backend cannot be captured", tp.rank, backend.name)
+        return []
+    if tp.size > 1 and dist.get_backend(tp.group) != "nccl":
+        logger.info("rank %d: no CUDA graphs: %s collectives cannot be captured", tp.rank, dist.get_backend(tp.group))
+        return []
+    return graph_batch_sizes(config.max_num_seqs, config.cuda_graph_sizes)
 
 
 def default_num_threads(tensor_parallel_size: int) -> int:

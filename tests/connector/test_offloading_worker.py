@@ -1,18 +1,27 @@
-"""The worker side of the offloading connector on the CPU: copies through the CPU pool, and
-waiting for them."""
+"""The worker side of the offloading connector: copies through the CPU pool (on the CPU, and
+marked ``gpu`` from a CUDA cache through the pinned pool on the side stream), and waiting for
+them."""
 
 import time
 
+import pytest
 import torch
 
-from strata.connector.offloading_worker import OffloadingConnectorWorker
+from strata.connector.offloading_worker import OffloadingConnectorWorker, block_copy_for
 from strata.engine_core.protocol import BlockTransfer, KVConnectorMetadata
+from strata.kernels import cpu_kv_cache, native, reference, triton_kv_cache
 
 
-def make_worker(num_layers: int = 2) -> OffloadingConnectorWorker:
+def make_worker(num_layers: int = 2, device: str = "cpu") -> OffloadingConnectorWorker:
     torch.manual_seed(0)
-    caches = [torch.randn(2, 6, 16, 2, 16).to(torch.bfloat16) for _ in range(num_layers)]
+    caches = [torch.randn(2, 6, 16, 2, 16).to(device, torch.bfloat16) for _ in range(num_layers)]
     return OffloadingConnectorWorker(caches, num_cpu_blocks=4)
+
+
+def test_cuda_caches_copy_with_the_triton_kernel_and_cpu_caches_with_the_c_copy():
+    assert block_copy_for(torch.device("cuda")) is triton_kv_cache.copy_blocks
+    cpu_copy = cpu_kv_cache.copy_blocks if native.load_library() is not None else reference.copy_blocks
+    assert block_copy_for(torch.device("cpu")) is cpu_copy
 
 
 def finish(worker: OffloadingConnectorWorker) -> tuple[list[str], list[str]]:
@@ -22,8 +31,9 @@ def finish(worker: OffloadingConnectorWorker) -> tuple[list[str], list[str]]:
     return output.finished_sending, output.finished_recving
 
 
-def test_stored_blocks_load_back_into_other_blocks():
-    worker = make_worker()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_stored_blocks_load_back_into_other_blocks(device):
+    worker = make_worker(device=device)
     originals = [cache[:, [1, 4]].clone() for cache in worker.kv_caches]
     worker.start_transfers(KVConnectorMetadata(stores=[BlockTransfer("s", [1, 4], [3, 0])]))
     assert finish(worker) == (["s"], [])

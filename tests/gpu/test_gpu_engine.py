@@ -1,54 +1,60 @@
 """The engine on a real GPU: greedy parity with HF transformers, CUDA graphs on == off, the
-offload tier's CUDA side stream on == off. Skipped where CUDA is absent (see tests/conftest.py);
-``benchmarks/gpu_proof.sh`` runs them."""
+torch backend without graphs, the offload tier's CUDA side stream on == off, and a shut-down
+engine's memory handed back. Skipped where CUDA is absent (see tests/conftest.py);
+``benchmarks/gpu_proof.sh`` runs them.
 
-import os
+Every engine runs a seeded tiny random checkpoint on token-id prompts (no model package, no
+tokenizer, nothing to download) with a fixed small KV cache, so that the engines a pytest
+process builds one after another all fit on the device."""
+
 import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from strata import LLM, SamplingParams
-from strata.worker.model_loader import resolve_model_path
 
 from model_factory import hf_greedy, random_prompts, save_tiny_model, tiny_llama_config
 
-os.environ["HF_HUB_OFFLINE"] = "1"
 pytestmark = pytest.mark.gpu
 
 NEW_TOKENS = 32
+NUM_GPU_BLOCKS = 128
+VOCAB_SIZE = 97  # tiny_llama_config's
 # bfloat16 rounds differently from HF's kernels, so greedy paths may part where two tokens are
 # nearly tied: from the first difference on, the engine's token must be among HF's top few.
 BF16_TOP_K = 5
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea, there lived",
-    "1, 2, 3, 4,",
-    "The history of computing is a story of layers: transistors became gates, gates became processors,",
-]
+# tiny_llama_config has no EOS token, so neither HF's generate nor the engine stops early.
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def default_model_path():
-    return resolve_model_path(None)
+def tiny_model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_model(tiny_llama_config(max_position_embeddings=2048), path)
+    return str(path)
 
 
-def engine_tokens(model: str | None, prompts, params: SamplingParams, **engine_args) -> list[list[int]]:
-    with LLM(model, device="cuda", **engine_args) as llm:
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    # Five prompts: their decode steps run at padded graph sizes (5 -> 8).
+    return random_prompts([5, 9, 17, 3, 30], VOCAB_SIZE)
+
+
+def engine_tokens(model: str, prompts, params: SamplingParams, **engine_args) -> list[list[int]]:
+    engine_args = {"num_gpu_blocks": NUM_GPU_BLOCKS} | engine_args
+    with LLM(model, device="cuda", skip_tokenizer=True, **engine_args) as llm:
         return [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_default_model_greedy_matches_hf_on_the_gpu(dtype, default_model_path):
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path)
-    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    ours = engine_tokens(None, prompts, params, executor="uni", dtype=dtype)
-    reference = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=getattr(torch, dtype)).to("cuda").eval()
+def test_tiny_model_greedy_matches_hf_on_the_gpu(dtype, tiny_model, prompts):
+    ours = engine_tokens(tiny_model, prompts, GREEDY, executor="uni", dtype=dtype)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=getattr(torch, dtype)).to("cuda").eval()
     for prompt, tokens in zip(prompts, ours):
         expected = hf_greedy(reference, prompt, NEW_TOKENS)
+        assert len(expected) == NEW_TOKENS  # HF did not stop at an EOS
         if dtype == "float32":
             assert tokens == expected
             continue
@@ -59,28 +65,35 @@ def test_default_model_greedy_matches_hf_on_the_gpu(dtype, default_model_path):
             assert tokens[common] in logits.topk(BF16_TOP_K).indices.tolist(), f"parted at token {common}"
 
 
-def test_cuda_graphs_on_give_the_tokens_of_eager(default_model_path):
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path)
-    # Five prompts: their decode steps run at padded graph sizes (5 -> 8, then fewer as they end).
-    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
-    eager = engine_tokens(None, prompts, params, executor="uni", dtype="float32", enforce_eager=True)
-    graphs = engine_tokens(None, prompts, params, executor="mp", dtype="float32", max_num_seqs=16)
+def test_cuda_graphs_on_give_the_tokens_of_eager(tiny_model, prompts):
+    eager = engine_tokens(tiny_model, prompts, GREEDY, executor="uni", dtype="float32", enforce_eager=True)
+    graphs = engine_tokens(tiny_model, prompts, GREEDY, executor="mp", dtype="float32", max_num_seqs=16)
     assert graphs == eager
 
 
-def test_offload_tier_on_gives_the_tokens_of_off_with_the_cuda_side_stream(tmp_path, default_model_path):
-    config = tiny_llama_config(max_position_embeddings=2048)
-    save_tiny_model(config, tmp_path)
-    AutoTokenizer.from_pretrained(default_model_path).save_pretrained(tmp_path)
+def test_the_torch_backend_runs_uncaptured_and_gives_the_tokens_of_triton(tiny_model, prompts):
+    triton = engine_tokens(tiny_model, prompts, GREEDY, executor="uni", dtype="float32", attention_backend="triton")
+    torch_backend = engine_tokens(tiny_model, prompts, GREEDY, executor="uni", dtype="float32", attention_backend="torch")
+    assert torch_backend == triton
+
+
+def test_a_shut_down_engine_gives_its_gpu_memory_back(tiny_model, prompts):
+    # 65536 blocks of 8 KiB: a 512 MiB KV cache. What may stay is per-process state such as
+    # cuBLAS's workspace.
+    held_before = torch.cuda.memory_reserved()
+    engine_tokens(tiny_model, prompts, GREEDY, executor="uni", dtype="float32", num_gpu_blocks=65536)
+    assert torch.cuda.memory_reserved() - held_before < 64 << 20
+
+
+def test_offload_tier_on_gives_the_tokens_of_off_with_the_cuda_side_stream(tiny_model):
     rng = random.Random(0)
-    doc_a, doc_b = ([rng.randrange(3, 97) for _ in range(1024)] for _ in range(2))
-    questions = random_prompts([16] * 6, vocab_size=97, seed=1)
+    doc_a, doc_b = ([rng.randrange(3, VOCAB_SIZE) for _ in range(1024)] for _ in range(2))
+    questions = random_prompts([16] * 6, vocab_size=VOCAB_SIZE, seed=1)
     rounds = [(doc_a if i % 2 == 0 else doc_b) + questions[i] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     def run(**offload):
-        with LLM(str(tmp_path), device="cuda", executor="uni", dtype="float32", num_gpu_blocks=80, **offload) as llm:
+        with LLM(tiny_model, device="cuda", executor="uni", dtype="float32", num_gpu_blocks=80, skip_tokenizer=True, **offload) as llm:
             tokens = [llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids for prompt in rounds]
             return tokens, llm.stats
 

@@ -1,13 +1,17 @@
 """The bookkeeping behind CUDA graphs, on the CPU: the ladder of captured sizes, which steps
 replay one, and the padded forward through persistent buffers that a graph captures."""
 
+import logging
+
 import numpy as np
 import pytest
 import torch
 
 from strata.worker.attention import AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend
 from strata.worker.cuda_graphs import PaddedDecode, graph_batch_sizes, padded_batch_size
+from strata.worker.config import WorkerConfig
 from strata.worker.input_batch import StepInputs
+from strata.worker.model_runner import cuda_graph_sizes
 from strata.worker.model_loader import load_model
 from strata.worker.parallel_state import TensorParallel
 
@@ -37,6 +41,29 @@ def test_requested_sizes_are_sorted_and_must_fit_max_num_seqs() -> None:
 @pytest.mark.parametrize("batch,padded", [(1, 1), (3, 4), (4, 4), (9, 16), (17, None)])
 def test_a_batch_runs_at_the_smallest_size_that_holds_it(batch: int, padded: int | None) -> None:
     assert padded_batch_size([1, 2, 4, 8, 16], batch) == padded
+
+
+CUDA = torch.device("cuda")  # only named: deciding what to capture touches no GPU
+
+
+def test_the_triton_backend_on_cuda_captures_the_ladder() -> None:
+    config = WorkerConfig(model="unused", max_num_seqs=8)
+    assert cuda_graph_sizes(config, TensorParallel(0, 1), CUDA, TritonAttentionBackend()) == [1, 2, 4, 8]
+
+
+def test_the_torch_backend_is_never_captured_and_says_why(caplog) -> None:
+    # Planning a torch step calls .tolist(), a host sync that CUDA forbids during capture.
+    config = WorkerConfig(model="unused", max_num_seqs=8)
+    with caplog.at_level(logging.INFO, logger="strata.worker.model_runner"):
+        assert cuda_graph_sizes(config, TensorParallel(0, 1), CUDA, TorchAttentionBackend()) == []
+    assert "no CUDA graphs: the torch attention backend cannot be captured" in caplog.text
+
+
+def test_nothing_is_captured_off_cuda_or_with_enforce_eager() -> None:
+    eager = WorkerConfig(model="unused", max_num_seqs=8, enforce_eager=True)
+    assert cuda_graph_sizes(eager, TensorParallel(0, 1), CUDA, TritonAttentionBackend()) == []
+    config = WorkerConfig(model="unused", max_num_seqs=8)
+    assert cuda_graph_sizes(config, TensorParallel(0, 1), torch.device("cpu"), TritonAttentionBackend()) == []
 
 
 def _tiny_model(tmp_path, backend):
