@@ -15,17 +15,17 @@ from transformers import AutoModelForCausalLM
 
 from strata import LLM, SamplingParams
 
-from model_factory import hf_greedy, random_prompts, save_tiny_model, tiny_llama_config
+from model_factory import hf_greedy, random_prompts, save_tiny_model, tiny_llama_config, tiny_qwen3_config
 
 pytestmark = pytest.mark.gpu
 
 NEW_TOKENS = 32
 NUM_GPU_BLOCKS = 128
-VOCAB_SIZE = 97  # tiny_llama_config's
+VOCAB_SIZE = 97  # the tiny configs' (model_factory._TINY)
 # bfloat16 rounds differently from HF's kernels, so greedy paths may part where two tokens are
 # nearly tied: from the first difference on, the engine's token must be among HF's top few.
 BF16_TOP_K = 5
-# tiny_llama_config has no EOS token, so neither HF's generate nor the engine stops early.
+# The tiny configs have no EOS token, so neither HF's generate nor the engine stops early.
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -33,6 +33,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 def tiny_model(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-llama")
     save_tiny_model(tiny_llama_config(max_position_embeddings=2048), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    save_tiny_model(tiny_qwen3_config(), path)
     return str(path)
 
 
@@ -48,10 +55,10 @@ def engine_tokens(model: str, prompts, params: SamplingParams, **engine_args) ->
         return [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tiny_model_greedy_matches_hf_on_the_gpu(dtype, tiny_model, prompts):
-    ours = engine_tokens(tiny_model, prompts, GREEDY, executor="uni", dtype=dtype)
-    reference = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=getattr(torch, dtype)).to("cuda").eval()
+def assert_greedy_matches_hf(model: str, dtype: str, prompts: list[list[int]]) -> None:
+    """float32: HF's tokens exactly; bfloat16: HF's tokens up to a near-tie, then among its top few."""
+    ours = engine_tokens(model, prompts, GREEDY, executor="uni", dtype=dtype)
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to("cuda").eval()
     for prompt, tokens in zip(prompts, ours):
         expected = hf_greedy(reference, prompt, NEW_TOKENS)
         assert len(expected) == NEW_TOKENS  # HF did not stop at an EOS
@@ -63,6 +70,16 @@ def test_tiny_model_greedy_matches_hf_on_the_gpu(dtype, tiny_model, prompts):
             with torch.inference_mode():
                 logits = reference(torch.tensor([prompt + tokens[:common]], device="cuda")).logits[0, -1]
             assert tokens[common] in logits.topk(BF16_TOP_K).indices.tolist(), f"parted at token {common}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_llama_greedy_matches_hf_on_the_gpu(dtype, tiny_model, prompts):
+    assert_greedy_matches_hf(tiny_model, dtype, prompts)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_qwen3_greedy_matches_hf_on_the_gpu(dtype, tiny_qwen3_model, prompts):
+    assert_greedy_matches_hf(tiny_qwen3_model, dtype, prompts)
 
 
 def test_cuda_graphs_on_give_the_tokens_of_eager(tiny_model, prompts):

@@ -42,6 +42,19 @@ def test_matches_reference(batch, group, head_dim, block_size, dtype, split_kv):
     assert_close(out, b.reference())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_kv", [False, True], ids=["single_pass", "split_kv"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_long_context_gqa_decode_matches_reference_compiled(dtype, split_kv):
+    """Decode rows over contexts of up to 4,096 tokens, 4 query heads per KV head, compiled on the
+    GPU: the lengths the interpreter is too slow for, where splitting the KV range matters."""
+    b = make_batch([1, 1, 1, 1], [4096, 4000, 2049, 4096], group=4, head_dim=128, block_size=16, dtype=dtype)
+    out = triton_attention.paged_attention(
+        b.query, b.kv_cache, b.meta.block_tables, b.meta.query_start_loc, b.meta.seq_lens, b.scale, split_kv=split_kv
+    )
+    assert_close(out, b.reference())
+
+
 @pytest.mark.parametrize(
     "batch,sliding_window,dtype,split_kv",
     [
