@@ -264,20 +264,28 @@ class Scheduler:
         start_budget = budget
         scheduled: list[Request] = []
         deferred: list[Request] = []
+        # Once a request finds no room the queue stops there, except for requests whose KV
+        # finished loading: they hold every block they need already, and the one that found no
+        # room may be waiting for exactly those blocks.
+        head_blocked = False
         while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if head_blocked and not self._loaded:
+                break
             request = self._pop_waiting()
             if request is None:
                 break
-            if request.status == RequestStatus.WAITING_FOR_KV:
-                if request.request_id not in self._loaded:
-                    deferred.append(request)
-                    continue
+            loaded = request.request_id in self._loaded
+            if not loaded and (head_blocked or request.status == RequestStatus.WAITING_FOR_KV):
+                deferred.append(request)
+                continue
+            if loaded:
                 self._loaded.discard(request.request_id)
                 self.kv.cache_blocks(request, request.num_computed_tokens)
             num_new = self._admit(request, budget, output)
             if num_new is None:
-                self._push_waiting(request)
-                break
+                deferred.append(request)
+                head_blocked = True
+                continue
             if num_new == 0:  # an asynchronous load started, or the connector must be asked again
                 deferred.append(request)
                 continue

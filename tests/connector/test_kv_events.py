@@ -4,7 +4,7 @@ exactly the engine's GPU prefix cache and CPU tier; the CPU tier's events never 
 
 import random
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from connector_helpers import OffloadingFakeRunner, make_engine, make_request
@@ -53,6 +53,11 @@ workload = st.lists(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Found by this test: a preempted request at the head of the queue waited for blocks that a
+# request behind it had reserved for its CPU load, which waited behind the head: neither ran.
+@example(arrivals=[(0, 0, 1, 0, False)] * 4 + [(2, 11, 3, 0, False), (0, 0, 1, 0, False), (1, 8, 2, 0, False),
+                   (0, 33, 1, 0, False)],
+         num_gpu_blocks=23, num_cpu_blocks=2, factor=1, copy_steps=0, seed=0)
 @given(arrivals=workload, num_gpu_blocks=st.integers(12, 40), num_cpu_blocks=st.integers(1, 24),
        factor=st.sampled_from([1, 2]), copy_steps=st.integers(0, 2), seed=st.integers(0, 1000))
 def test_replayed_events_equal_the_cache_contents(arrivals, num_gpu_blocks, num_cpu_blocks, factor, copy_steps, seed):
