@@ -1,5 +1,8 @@
 """``x W^T + b`` for the few rows of a decode step on the CPU, from bfloat16 weights
-(``csrc/small_batch_linear.c``), tested against ``F.linear`` in float32."""
+(``csrc/small_batch_linear.c``), tested against ``F.linear`` in float32.
+
+The library has a portable body (float32 FMAs) and, where the CPU has AVX512-BF16, a body of
+bfloat16 dot-product instructions that bfloat16 rows take (``body``)."""
 
 import torch
 
@@ -37,11 +40,25 @@ def supports_weight(weight: torch.Tensor) -> bool:
     )
 
 
+def body() -> str:
+    """Which body bfloat16 rows take on this CPU (for the log)."""
+    library = native.load_library()
+    if library is not None and library.small_batch_linear_body() == 1:
+        return "AVX512-BF16 dot products"
+    return "float32 FMAs"
+
+
 def small_batch_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    portable: bool = False,
 ) -> torch.Tensor:
     """``x W^T + b`` accumulated in float32, rounded once to ``out_dtype`` (default ``x``'s), for
-    ``x`` ``[rows, in]`` and a bfloat16 ``weight`` ``[out, in]`` that ``supports`` accepts."""
+    ``x`` ``[rows, in]`` and a bfloat16 ``weight`` ``[out, in]`` that ``supports`` accepts.
+    ``portable`` runs the portable body whatever the CPU has (the tests check every body)."""
     if not supports(x, weight):
         raise ValueError(
             f"small_batch_linear needs at most {MAX_ROWS} contiguous rows and a contiguous bfloat16 weight "
@@ -53,7 +70,9 @@ def small_batch_linear(
     if bias is not None:
         bias = bias.float().contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
-    status = native.load_library().small_batch_linear(
+    library = native.load_library()
+    kernel = library.small_batch_linear_portable if portable else library.small_batch_linear
+    status = kernel(
         x.data_ptr(), native.DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
         bias.data_ptr() if bias is not None else None, out.data_ptr(), native.DTYPE_CODES[out_dtype],
         torch.get_num_threads(),

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from strata.kernels import cpu_features
+
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
@@ -40,6 +42,8 @@ _SIGNATURES = {
     "silu_and_mul": ([_ptr, _ptr, _i64, _i32, _i32, _i32], None),
     "convert": ([_ptr, _i32, _ptr, _i32, _i64, _i32], None),
     "small_batch_linear": ([_ptr, _i32, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i32, _i32], _i32),
+    "small_batch_linear_portable": ([_ptr, _i32, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i32, _i32], _i32),
+    "small_batch_linear_body": ([], _i32),
     # Pointers to the structs of kernels/cpu_decoder_layer.py, then the activations.
     "attention_block": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr], _i32),
     "mlp_block": ([_ptr, _ptr, _ptr, _ptr, _ptr], _i32),
@@ -68,8 +72,15 @@ def load_library() -> ctypes.CDLL | None:
     return library
 
 
-def _build(compiler: str) -> Path:
+def compile_library(compiler: str, flags: list[str], output: Path) -> None:
+    """Compile every source of ``csrc`` with ``flags`` into the shared library ``output``; raises
+    ``CalledProcessError`` (with the compiler's messages) when that fails."""
     sources = sorted(SOURCE_DIR.glob("*.c"))
+    command = [compiler, *flags, "-I", str(SOURCE_DIR), *map(str, sources), "-o", str(output), "-lm"]
+    subprocess.run(command, check=True, capture_output=True, text=True)
+
+
+def _build(compiler: str) -> Path:
     target = _cache_root() / f"native-{_build_key(compiler)}.so"
     if target.is_file():
         return target
@@ -78,12 +89,7 @@ def _build(compiler: str) -> Path:
     fd, staging = tempfile.mkstemp(prefix=".native-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run(
-            [compiler, *FLAGS, "-I", str(SOURCE_DIR), *map(str, sources), "-o", staging, "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
+        compile_library(compiler, FLAGS, Path(staging))
         os.replace(staging, target)
     except BaseException:
         Path(staging).unlink(missing_ok=True)
@@ -96,17 +102,8 @@ def _build_key(compiler: str) -> str:
     for source in sorted(SOURCE_DIR.iterdir()):
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True).stdout
-    digest.update("\0".join([compiler, version, *FLAGS, _cpu_flags()]).encode())
+    digest.update("\0".join([compiler, version, *FLAGS, *sorted(cpu_features.cpu_flags())]).encode())
     return digest.hexdigest()[:16]
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (what ``-march=native`` compiles for); empty where unknown."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line for line in lines if line.startswith("flags")), "")
 
 
 def _cache_root() -> Path:

@@ -85,8 +85,9 @@ class EngineArgs:
     dtype: str = flag("auto", choices=DTYPES)
     cpu_bf16_linear: str = flag(
         "auto",
-        "a bfloat16 model on CPU: float32 runs its linears as float32 GEMMs on the bfloat16 weights "
-        "(2x their memory), native as bfloat16 GEMMs; auto: float32 where the CPU lacks native bfloat16",
+        "a bfloat16 model on CPU: steps of few rows stream the bfloat16 weights (the crossover measured "
+        "at start), larger ones run a GEMM: float32 on float32 copies (2x the memory) or bfloat16; auto: "
+        "bfloat16 where the CPU has AVX512-BF16/AMX; native: the bfloat16 GEMM at every step",
         choices=CPU_BF16_LINEAR_MODES,
     )
     device: str = flag("auto", "cpu, cuda, cuda:K (mp ranks take cuda:K, cuda:K+1, ...) or auto")

@@ -206,7 +206,8 @@ class LlamaModel(nn.Module):
     ) -> cpu_decoder_layer.Step | None:
         """The step's arguments for the layers' fused C halves, or None: no layer is fused, or
         the step has more rows than they take."""
-        if self.layers[0].fused is None:
+        fused = self.layers[0].fused
+        if fused is None or hidden.shape[0] > fused.max_rows:
             return None
         return cpu_decoder_layer.decode_step(
             hidden, cos, sin, meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens

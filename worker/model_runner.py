@@ -17,7 +17,8 @@ from strata.worker.cpu_memory import check_kv_cache_fits, keep_freed_memory, zer
 from strata.worker.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from strata.worker.input_batch import InputBatch, StepInputs, to_device
 from strata.worker.kv_cache_sizing import KVCacheSizer
-from strata.worker.model_loader import load_model, resolve_dtype, resolve_linear_dtype
+from strata.worker.cpu_linear_plan import apply_cpu_linear_plan, plan_cpu_linears
+from strata.worker.model_loader import load_model, resolve_dtype
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.sampler import SamplingMetadata, sample
 
@@ -41,12 +42,11 @@ class ModelRunner:
         self.dtype, reason = resolve_dtype(config.dtype, self.device)
         logger.info("rank %d: dtype %s (%s)", tp.rank, self.dtype, reason)
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        linear_dtype, reason = resolve_linear_dtype(config.cpu_bf16_linear, self.dtype, self.device)
-        if linear_dtype != self.dtype:
-            logger.info("rank %d: linear weights held as %s (%s)", tp.rank, linear_dtype, reason)
-        self.model = load_model(
-            config.model, self.dtype, tp, self.backend, self.device, config.load_format, linear_dtype
-        )
+        self.model = load_model(config.model, self.dtype, tp, self.backend, self.device, config.load_format)
+        cpu_plan = plan_cpu_linears(config.cpu_bf16_linear, self.model, self.dtype, self.device, tp)
+        if cpu_plan is not None:
+            apply_cpu_linear_plan(self.model, cpu_plan)
+            logger.info("rank %d: linears: %s", tp.rank, cpu_plan.describe())
         self.cache_dtype = self.backend.cache_dtype(self.dtype)
         self.block_size = config.block_size
         sizer = KVCacheSizer(config, tp, self.model, self.cache_dtype, self.device)

@@ -7,13 +7,14 @@ With one rank every layer is a plain linear or embedding.
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels import cpu_layers, cpu_linear
+from strata.kernels import cpu_layers, cpu_linear, onednn_linear
 from strata.worker.parallel_state import TensorParallel
 
 
@@ -54,22 +55,47 @@ def empty_parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+@dataclass(frozen=True)
+class StreamedWeight:
+    """What a layer streams through ``cpu_linear`` for steps of at most ``max_rows`` rows: its
+    bfloat16 weight and its bias in float32 (the kernel adds it to its float32 sums)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    max_rows: int
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.shape[0] <= self.max_rows and cpu_linear.supports(x, self.weight)
+
+
+def streamed_weight(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int) -> StreamedWeight | None:
+    """The ``StreamedWeight`` of a layer that streams steps of up to ``max_rows`` rows, or None:
+    ``max_rows`` is 0 or the kernel cannot stream ``weight``."""
+    if not max_rows or not cpu_linear.supports_weight(weight):
+        return None
+    return StreamedWeight(weight.data, None if bias is None else bias.data.float().contiguous(), max_rows)
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16_weight: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    streamed: StreamedWeight | None = None,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x W^T + b`` in the weight's dtype, the result rounded back to ``x``'s.
 
-    A bfloat16 model on a CPU without native bfloat16 holds its linear weights widened to float32
-    (``model_loader.widen_linear_weights``): the matmul then runs in float32 on the bfloat16
-    values, as a native bfloat16 GEMM accumulates, and the activations stay bfloat16. Such a layer
-    keeps its bfloat16 weight too (``bf16_weight``): a decode step's few rows stream it through
-    ``cpu_linear`` (the same float32 sums) at several times the float32 GEMM's speed.
+    On the CPU a bfloat16 model's layers follow its ``CpuLinearPlan``
+    (``worker/cpu_linear_plan.py``): a step ``streamed`` takes runs the streaming kernel; others
+    run the GEMM on ``weight`` (``packed``: its oneDNN-packed copy), which may be a float32 copy:
+    the matmul then runs in float32 on the bfloat16 values, as a native bfloat16 GEMM
+    accumulates, and the activations stay bfloat16.
     """
-    if bf16_weight is not None and cpu_linear.supports(x, bf16_weight):
-        return cpu_linear.small_batch_linear(x, bf16_weight, bias)
-    if x.dtype == weight.dtype:
-        return F.linear(x, weight, bias)
-    return _convert(F.linear(_convert(x, weight.dtype), weight, bias), x.dtype)
+    if streamed is not None and streamed.takes(x):
+        return cpu_linear.small_batch_linear(x, streamed.weight, streamed.bias)
+    gemm_x = x if x.dtype == weight.dtype else _convert(x, weight.dtype)
+    y = F.linear(gemm_x, weight, bias) if packed is None else onednn_linear.linear(gemm_x, packed, bias)
+    return y if y.dtype == x.dtype else _convert(y, x.dtype)
 
 
 def _convert(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -97,17 +123,20 @@ class ColumnParallelLinear(nn.Module):
         self.output_sizes = [shard.stop - shard.start for shard in self.shards]
         self.weight = empty_parameter(sum(self.output_sizes), input_size)
         self.bias = empty_parameter(sum(self.output_sizes)) if bias else None
-        self.bf16_weight: torch.Tensor | None = None
+        self.streamed: StreamedWeight | None = None
+        self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.bf16_weight)
+        return linear(x, self.weight, self.bias, self.streamed, self.packed)
 
-    def widen_(self, dtype: torch.dtype) -> None:
-        """Hold the weight and bias in ``dtype`` (see ``linear``)."""
-        self.bf16_weight = _bf16_original(self.weight, dtype)
-        self.weight = nn.Parameter(self.weight.to(dtype), requires_grad=False)
+    def plan_cpu_(self, gemm_dtype: torch.dtype, stream_rows: int, pack: bool) -> None:
+        """Stream steps of up to ``stream_rows`` rows; hold the weight and bias for the GEMM in
+        ``gemm_dtype``, the weight oneDNN-packed if ``pack`` (see ``linear``)."""
+        self.streamed = streamed_weight(self.weight, self.bias, stream_rows)
+        self.weight = nn.Parameter(self.weight.to(gemm_dtype), requires_grad=False)
         if self.bias is not None:
-            self.bias = nn.Parameter(self.bias.to(dtype), requires_grad=False)
+            self.bias = nn.Parameter(self.bias.to(gemm_dtype), requires_grad=False)
+        self.packed = onednn_linear.pack(self.weight.data) if pack else None
 
     def load_weight(self, name: str, source: TensorSource, part: int = 0) -> None:
         """Copy this rank's rows of checkpoint matrix ``part`` (``name`` is ``weight`` or ``bias``)."""
@@ -134,17 +163,20 @@ class RowParallelLinear(nn.Module):
         self.columns = columns or tp.shard(input_size)
         self.weight = empty_parameter(output_size, self.columns.stop - self.columns.start)
         self.bias = empty_parameter(output_size) if bias else None
-        self.bf16_weight: torch.Tensor | None = None
+        self.streamed: StreamedWeight | None = None
+        self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight, bf16_weight=self.bf16_weight))
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.streamed, self.packed))
         return y if self.bias is None else y + self.bias
 
-    def widen_(self, dtype: torch.dtype) -> None:
-        """Hold the weight in ``dtype`` (see ``linear``); the bias, added after the reduce, keeps the
-        activations' dtype."""
-        self.bf16_weight = _bf16_original(self.weight, dtype)
-        self.weight = nn.Parameter(self.weight.to(dtype), requires_grad=False)
+    def plan_cpu_(self, gemm_dtype: torch.dtype, stream_rows: int, pack: bool) -> None:
+        """Stream steps of up to ``stream_rows`` rows; hold the weight for the GEMM in
+        ``gemm_dtype``, oneDNN-packed if ``pack`` (see ``linear``). The bias, added after the
+        reduce, keeps the activations' dtype."""
+        self.streamed = streamed_weight(self.weight, None, stream_rows)
+        self.weight = nn.Parameter(self.weight.to(gemm_dtype), requires_grad=False)
+        self.packed = onednn_linear.pack(self.weight.data) if pack else None
 
     def load_weight(self, name: str, source: TensorSource) -> None:
         """Copy this rank's columns of the weight, or the whole bias."""
@@ -196,25 +228,24 @@ class ParallelLMHead(VocabParallelEmbedding):
     weight's dtype: a head widened to float32 keeps them float32 (no rounding to create ties).
     """
 
-    bf16_weight: torch.Tensor | None = None
+    streamed: StreamedWeight | None = None
+    packed: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.bf16_weight is not None and cpu_linear.supports(hidden, self.bf16_weight):
-            logits = cpu_linear.small_batch_linear(hidden, self.bf16_weight, out_dtype=self.weight.dtype)
+        if self.streamed is not None and self.streamed.takes(hidden):
+            logits = cpu_linear.small_batch_linear(hidden, self.streamed.weight, out_dtype=self.weight.dtype)
+        elif self.packed is not None:
+            logits = onednn_linear.linear(hidden.to(self.weight.dtype), self.packed)
         else:
             logits = F.linear(hidden.to(self.weight.dtype), self.weight)
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
 
-    def widen_(self, dtype: torch.dtype) -> None:
-        """Hold the weight in ``dtype``: a head tied to the embedding gets its own copy, so the
-        embedding keeps the activations' dtype (and the bfloat16 weight the head streams for a
-        few rows, see ``linear``, is the embedding's own)."""
-        self.bf16_weight = _bf16_original(self.weight, dtype)
-        self.weight = nn.Parameter(self.weight.to(dtype), requires_grad=False)
-
-
-def _bf16_original(weight: torch.Tensor, widened_dtype: torch.dtype) -> torch.Tensor | None:
-    """The bfloat16 weight a layer widened to float32 keeps for ``cpu_linear``; None otherwise."""
-    if weight.dtype == torch.bfloat16 and widened_dtype == torch.float32 and weight.device.type == "cpu":
-        return weight.data
-    return None
+    def plan_cpu_(self, gemm_dtype: torch.dtype, stream_rows: int, pack: bool) -> None:
+        """Stream steps of up to ``stream_rows`` rows; hold the weight for the GEMM in
+        ``gemm_dtype`` (oneDNN-packed if ``pack``): a head tied to the embedding and widened gets its own copy, so the
+        embedding keeps the activations' dtype (and the bfloat16 weight the head streams, see
+        ``linear``, is the embedding's own)."""
+        self.streamed = streamed_weight(self.weight, None, stream_rows)
+        if gemm_dtype != self.weight.dtype:
+            self.weight = nn.Parameter(self.weight.to(gemm_dtype), requires_grad=False)
+        self.packed = onednn_linear.pack(self.weight.data) if pack else None

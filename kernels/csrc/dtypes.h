@@ -25,6 +25,20 @@ static inline uint16_t float_to_bfloat16(float value)
     return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
+/* *out = value rounded to `dtype`. */
+static inline void store_float(char *out, int dtype, float value)
+{
+    if (dtype == DTYPE_FLOAT32) {
+        memcpy(out, &value, sizeof value);
+    } else if (dtype == DTYPE_BFLOAT16) {
+        const uint16_t bits = float_to_bfloat16(value);
+        memcpy(out, &bits, sizeof bits);
+    } else {
+        const _Float16 half = (_Float16)value;
+        memcpy(out, &half, sizeof half);
+    }
+}
+
 /* dst[0..n) = src[0..n) as float32. */
 static inline void load_row(const void *src, int dtype, float *dst, int n)
 {

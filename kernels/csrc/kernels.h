@@ -20,3 +20,12 @@ int paged_attention(
 int small_batch_linear(
     const void *x, int x_dtype, int64_t rows, int64_t in_features, const uint16_t *weight, int64_t out_features,
     const float *bias, void *out, int out_dtype, int num_threads);
+/* small_batch_linear's bodies: the portable one, and (where the build has AVX512-BF16) the one for
+ * bfloat16 rows; small_batch_linear_body() says which the dispatcher uses for them (0, 1). */
+int small_batch_linear_portable(
+    const void *x, int x_dtype, int64_t rows, int64_t in_features, const uint16_t *weight, int64_t out_features,
+    const float *bias, void *out, int out_dtype, int num_threads);
+int small_batch_linear_avx512bf16(
+    const uint16_t *x, int64_t rows, int64_t in_features, const uint16_t *weight, int64_t out_features,
+    const float *bias, void *out, int out_dtype, int num_threads);
+int small_batch_linear_body(void);

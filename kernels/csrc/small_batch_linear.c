@@ -43,19 +43,6 @@ static inline float sum_lanes(v8 v)
     return sum;
 }
 
-static inline void store_value(float value, int dtype, char *out)
-{
-    if (dtype == DTYPE_FLOAT32) {
-        memcpy(out, &value, sizeof value);
-    } else if (dtype == DTYPE_BFLOAT16) {
-        const uint16_t bits = float_to_bfloat16(value);
-        memcpy(out, &bits, sizeof bits);
-    } else {
-        const _Float16 half = (_Float16)value;
-        memcpy(out, &half, sizeof half);
-    }
-}
-
 /* Rows [row, row + rows) of the output at the `outs` features whose weight rows are `w` (the
  * last feature's row repeats past the end: those sums are not stored); `x` is deinterleaved.
  * Inlined with constant counts so the rows x outs accumulators stay in registers (AVX2 has 16). */
@@ -96,10 +83,8 @@ static void load_deinterleaved(const void *x, int dtype, int64_t m, int64_t in_f
         }
 }
 
-/* out[m, n] = sum_k x[m, k] weight[n, k] + bias[n] for m < rows, n < out_features: x in
- * `x_dtype`, weight bfloat16 [out_features, in_features], bias float32 or NULL, out in `out_dtype`,
- * all contiguous. Returns 0, or -1 when in_features is not a multiple of 16 or memory runs out. */
-int small_batch_linear(
+/* The portable body: float32 FMAs in 8-lane vectors, for any x86-64 (and any input dtype). */
+int small_batch_linear_portable(
     const void *x, int x_dtype, int64_t rows, int64_t in_features, const uint16_t *weight, int64_t out_features,
     const float *bias, void *out, int out_dtype, int num_threads)
 {
@@ -136,11 +121,37 @@ int small_batch_linear(
             for (int r = 0; r < count; r++) {
                 for (int j = 0; j < features; j++) {
                     const float value = sums[r][j] + (bias ? bias[n + j] : 0.f);
-                    store_value(value, out_dtype, (char *)out + ((row + r) * out_features + n + j) * out_item);
+                    store_float((char *)out + ((row + r) * out_features + n + j) * out_item, out_dtype, value);
                 }
             }
         }
     }
     free(x32);
     return 0;
+}
+
+int small_batch_linear_body(void)
+{
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out[m, n] = sum_k x[m, k] weight[n, k] + bias[n] for m < rows, n < out_features: x in
+ * `x_dtype`, weight bfloat16 [out_features, in_features], bias float32 or NULL, out in `out_dtype`,
+ * all contiguous. Returns 0, or -1 when in_features is not a multiple of 16 or memory runs out.
+ * Bfloat16 rows take the AVX512-BF16 body where this build has it (small_batch_linear_body). */
+int small_batch_linear(
+    const void *x, int x_dtype, int64_t rows, int64_t in_features, const uint16_t *weight, int64_t out_features,
+    const float *bias, void *out, int out_dtype, int num_threads)
+{
+#if defined(__AVX512BF16__)
+    if (x_dtype == DTYPE_BFLOAT16)
+        return small_batch_linear_avx512bf16(x, rows, in_features, weight, out_features, bias, out, out_dtype,
+                                             num_threads);
+#endif
+    return small_batch_linear_portable(x, x_dtype, rows, in_features, weight, out_features, bias, out, out_dtype,
+                                       num_threads);
 }

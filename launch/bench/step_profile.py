@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from strata.engine_core.sampling_params import SamplingParams
-from strata.kernels import cpu_decoder_layer
+from strata.kernels import cpu_attention, cpu_decoder_layer, cpu_kv_cache, cpu_layers, reference
 from strata.launch.bench.throughput import CORPUS, Workload, synthetic_prompts
 from strata.launch.llm import LLM
 from strata.worker import model_runner, tp_layers
@@ -60,6 +60,11 @@ def main() -> None:
     time_calls(cpu_decoder_layer, "attention_block", "fused attention halves", timers, calls)
     time_calls(cpu_decoder_layer, "mlp_block", "fused MLP halves", timers, calls)
     time_calls(tp_layers, "linear", "module-path linears", timers, calls)
+    time_calls(cpu_attention, "paged_attention", "module-path attention, C kernel", timers, calls)
+    time_calls(reference, "chunk_attention", "module-path attention, long chunks (torch)", timers, calls)
+    time_calls(cpu_kv_cache, "write_kv_cache", "module-path KV writes", timers, calls)
+    for name in ("rms_norm", "rotary_embedding_", "silu_and_mul"):
+        time_calls(cpu_layers, name, "module-path norms, rotary, SwiGLU", timers, calls)
     time_calls(runner.model, "compute_logits", "LM head", timers, calls)
     time_calls(model_runner, "sample", "sampler", timers, calls)
 
@@ -78,14 +83,17 @@ def main() -> None:
     steps = calls["step"]
     ms = {part: seconds * 1e3 / steps for part, seconds in timers.items()}
 
-    decoder_parts = ["fused attention halves", "fused MLP halves", "module-path linears"]
+    decoder_parts = [
+        "fused attention halves", "fused MLP halves", "module-path linears", "module-path attention, C kernel",
+        "module-path attention, long chunks (torch)", "module-path KV writes", "module-path norms, rotary, SwiGLU",
+    ]
     execute_parts = ["input preparation", "decoder", "LM head", "sampler"]
     rows = [("EngineCore step", ms["step"]), ("model runner execute", ms["execute"])]
     for part in execute_parts:
         rows.append((f"execute / {part}", ms.get(part, 0.0)))
         if part == "decoder":
             rows += [(f"execute / decoder / {name}", ms.get(name, 0.0)) for name in decoder_parts]
-            rows.append(("execute / decoder / rest (embedding, rotary angles, module-path kernels, Python)",
+            rows.append(("execute / decoder / rest (embedding, rotary angles, Python)",
                          ms["decoder"] - sum(ms.get(name, 0.0) for name in decoder_parts)))
     rows.append(("execute / rest (batch update, metadata, sampled tokens)",
                  ms["execute"] - sum(ms.get(part, 0.0) for part in execute_parts)))

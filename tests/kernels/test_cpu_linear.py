@@ -25,20 +25,24 @@ def expected(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
     return F.linear(x.float(), weight.float(), bias).to(out_dtype)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])  # both block layouts and their partial blocks
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])  # every block layout and their partial blocks
 @pytest.mark.parametrize("out_features", [1, 6, 64, 131])  # partial groups of 2 and 4 features
+@pytest.mark.parametrize("in_features", [96, 80])  # whole runs of 32 pairs, and a half run at the end
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_matches_float32_linear(rows: int, out_features: int, x_dtype: torch.dtype) -> None:
-    weight = weights(out_features, 96)
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(x_dtype)
+@pytest.mark.parametrize("portable", [False, True], ids=["best-body", "portable-body"])
+def test_matches_float32_linear(rows: int, out_features: int, in_features: int, x_dtype: torch.dtype, portable: bool) -> None:
+    weight = weights(out_features, in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(x_dtype)
     tol = TOLERANCES[x_dtype]
-    torch.testing.assert_close(cpu_linear.small_batch_linear(x, weight), expected(x, weight, None, x_dtype), atol=tol, rtol=tol)
+    out = cpu_linear.small_batch_linear(x, weight, portable=portable)
+    torch.testing.assert_close(out, expected(x, weight, None, x_dtype), atol=tol, rtol=tol)
 
 
-def test_bias_is_added_and_the_output_dtype_can_differ_from_the_input() -> None:
+@pytest.mark.parametrize("portable", [False, True], ids=["best-body", "portable-body"])
+def test_bias_is_added_and_the_output_dtype_can_differ_from_the_input(portable: bool) -> None:
     weight, bias = weights(40, 64), torch.randn(40)
     x = torch.randn(3, 64).bfloat16()
-    out = cpu_linear.small_batch_linear(x, weight, bias, out_dtype=torch.float32)
+    out = cpu_linear.small_batch_linear(x, weight, bias, out_dtype=torch.float32, portable=portable)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected(x, weight, bias, torch.float32), atol=1e-5, rtol=1e-5)
 

@@ -3,6 +3,8 @@ code where no compiler can build them."""
 
 import logging
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,3 +41,21 @@ def test_without_a_working_compiler_the_cpu_path_runs_torch_code(fresh_library, 
     assert get_attention_backend(None, torch.device("cpu")).name == "torch"
     assert not cpu_layers.handles(torch.ones(2))
     assert not list((fresh_library / "kernels").glob("native-*.so"))
+
+
+# A build for each x86 family the kernels have bodies for, whatever CPU runs the tests: the
+# bodies this CPU lacks are compiled here, and run where the CPU has them.
+TARGETS = {"AVX2": "x86-64-v3", "AVX512": "skylake-avx512", "AVX512-BF16": "cooperlake", "AMX": "sapphirerapids"}
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+@pytest.mark.parametrize("march", TARGETS.values(), ids=TARGETS.keys())
+def test_the_kernels_compile_for_every_x86_family(march: str, tmp_path: Path) -> None:
+    flags = [flag if flag != "-march=native" else f"-march={march}" for flag in native.FLAGS]
+    try:
+        native.compile_library("cc", flags, tmp_path / "native.so")
+    except subprocess.CalledProcessError as error:
+        pytest.fail(f"-march={march}:\n{error.stderr}")
+    symbols = subprocess.run(["nm", "-D", str(tmp_path / "native.so")], capture_output=True, text=True).stdout
+    has_bf16_body = "small_batch_linear_avx512bf16" in symbols
+    assert has_bf16_body == (march in ("cooperlake", "sapphirerapids"))

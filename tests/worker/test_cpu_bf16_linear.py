@@ -1,5 +1,6 @@
-"""A bfloat16 model on CPU may hold its linear weights as float32 and multiply in float32
-(``--cpu-bf16-linear float32``): the same bfloat16 values, the numerics of a bfloat16 GEMM."""
+"""A bfloat16 model on CPU follows a ``CpuLinearPlan``: a GEMM in bfloat16 or on exact float32
+copies of the weights, and the steps of few rows streamed from the bfloat16 weights, the
+crossover measured at start (``worker/cpu_linear_plan.py``)."""
 
 from pathlib import Path
 
@@ -7,24 +8,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import cpu_linear
+from strata.kernels import cpu_features, cpu_linear
 from strata.runtime.engine_args import EngineArgs
-from strata.worker import model_loader
+from strata.worker import cpu_linear_plan
 from strata.worker.attention import get_attention_backend
+from strata.worker.cpu_linear_plan import CANDIDATE_ROWS, CpuLinearPlan, measure_crossover, plan_cpu_linears
 from strata.worker.llama import LlamaForCausalLM
-from strata.worker.model_loader import load_model, resolve_linear_dtype
+from strata.worker.model_loader import load_model
 from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 from model_factory import random_prompts, save_tiny_model, tiny_llama_config, tiny_qwen2_config
-from worker_helpers import SINGLE_RANK, PagedRunner, greedy_decode
+from worker_helpers import SINGLE_RANK, STREAMED_FLOAT32, PagedRunner, greedy_decode, load_ours, load_planned
 
 CPU = torch.device("cpu")
 LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+NATIVE = CpuLinearPlan(torch.bfloat16, False, 0, "tests: the bfloat16 GEMM at every step")
+STREAMED_BF16 = CpuLinearPlan(torch.bfloat16, True, cpu_linear.MAX_ROWS, "tests: packed bfloat16 GEMMs, streamed decode steps")
 
 
-def load_bf16(path: Path, linear_dtype: torch.dtype) -> LlamaForCausalLM:
-    backend = get_attention_backend(None, CPU)  # the C kernels where they build, as in the engine
-    return load_model(path, torch.bfloat16, SINGLE_RANK, backend, CPU, linear_dtype=linear_dtype)
+def load_bf16(path: Path, plan: CpuLinearPlan) -> LlamaForCausalLM:
+    return load_planned(path, plan, get_attention_backend(None, CPU))  # the C kernels where they build
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])  # untied head; tied head with q/k/v biases
@@ -36,7 +39,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def test_widened_linears_hold_the_bfloat16_values_exactly(checkpoint: Path) -> None:
-    native, widened = load_bf16(checkpoint, torch.bfloat16), load_bf16(checkpoint, torch.float32)
+    native, widened = load_bf16(checkpoint, NATIVE), load_bf16(checkpoint, STREAMED_FLOAT32)
     native_modules = dict(native.named_modules())
     num_linears = 0
     for name, module in widened.named_modules():
@@ -50,14 +53,14 @@ def test_widened_linears_hold_the_bfloat16_values_exactly(checkpoint: Path) -> N
 
 def test_tied_head_gets_its_own_float32_copy_and_the_embedding_stays_bfloat16(tmp_path: Path) -> None:
     save_tiny_model(tiny_qwen2_config(), tmp_path)
-    widened = load_bf16(tmp_path, torch.float32)
+    widened = load_bf16(tmp_path, STREAMED_FLOAT32)
     head, embedding = widened.lm_head.weight, widened.model.embed_tokens.weight
     assert head.dtype == torch.float32 and embedding.dtype == torch.bfloat16
     assert torch.equal(head.to(torch.bfloat16), embedding)
 
 
 def test_greedy_path_of_the_bfloat16_gemm_gets_the_same_logits_and_tokens(checkpoint: Path) -> None:
-    native, widened = load_bf16(checkpoint, torch.bfloat16), load_bf16(checkpoint, torch.float32)
+    native, widened = load_bf16(checkpoint, NATIVE), load_bf16(checkpoint, STREAMED_FLOAT32)
     prompts = random_prompts([5, 17, 33], native.vocab_size, seed=3)
     generated, _ = greedy_decode(PagedRunner(native), prompts, num_tokens=8)
     for prompt, tokens in zip(prompts, generated, strict=True):
@@ -79,8 +82,21 @@ def logits_of(model: LlamaForCausalLM, sequence: list[int]) -> torch.Tensor:
     return logits
 
 
+@pytest.mark.parametrize("plan", [STREAMED_FLOAT32, STREAMED_BF16], ids=["float32-gemm", "bfloat16-gemm"])
+def test_streamed_decode_steps_give_the_bfloat16_gemms_logits(plan: CpuLinearPlan, checkpoint: Path) -> None:
+    native, planned = load_bf16(checkpoint, NATIVE), load_bf16(checkpoint, plan)
+    assert all(layer.fused is not None for layer in planned.model.layers)
+    prompts = random_prompts([5, 17, 9], native.vocab_size, seed=4)
+    (native_tokens, native_logits), (planned_tokens, planned_logits) = (
+        greedy_decode(PagedRunner(model), prompts, num_tokens=8) for model in (native, planned)
+    )
+    # Streamed and GEMM sums differ in order only; the native head rounds logits to bfloat16.
+    torch.testing.assert_close(planned_logits, native_logits, atol=3e-2, rtol=2e-2)
+    assert planned_tokens[0][:2] == native_tokens[0][:2]
+
+
 def test_activations_and_kv_cache_stay_bfloat16(checkpoint: Path) -> None:
-    widened = load_bf16(checkpoint, torch.float32)
+    widened = load_bf16(checkpoint, STREAMED_FLOAT32)
     output_dtypes: list[torch.dtype] = []
     for layer in widened.model.layers:
         layer.self_attn.qkv_proj.register_forward_hook(lambda module, args, out: output_dtypes.append(out.dtype))
@@ -93,7 +109,7 @@ def test_activations_and_kv_cache_stay_bfloat16(checkpoint: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "native_bf16", "expected"),
+    ("mode", "native_bf16", "gemm_dtype"),
     [
         ("auto", False, torch.float32),
         ("auto", True, torch.bfloat16),
@@ -101,33 +117,60 @@ def test_activations_and_kv_cache_stay_bfloat16(checkpoint: Path) -> None:
         ("native", False, torch.bfloat16),
     ],
 )
-def test_linear_dtype_of_a_bfloat16_model_on_cpu(
-    mode: str, native_bf16: bool, expected: torch.dtype, monkeypatch: pytest.MonkeyPatch
+def test_the_plan_of_a_bfloat16_model_on_cpu(
+    mode: str, native_bf16: bool, gemm_dtype: torch.dtype, checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(model_loader, "_cpu_has_native_bf16", lambda: native_bf16)
-    assert resolve_linear_dtype(mode, torch.bfloat16, "cpu")[0] == expected
+    monkeypatch.setattr(cpu_features, "has_native_bf16", lambda: native_bf16)
+    model = load_model(checkpoint, torch.bfloat16, SINGLE_RANK, get_attention_backend(None, CPU), CPU)
+    plan = plan_cpu_linears(mode, model, torch.bfloat16, "cpu", SINGLE_RANK)
+    assert plan is not None and plan.gemm_dtype == gemm_dtype
+    if mode == "native":
+        assert plan.stream_rows == 0
+    else:
+        assert plan.stream_rows in (0, *CANDIDATE_ROWS) and "streamed/GEMM" in plan.reason
 
 
 @pytest.mark.parametrize(("dtype", "device"), [(torch.float32, "cpu"), (torch.float16, "cpu"), (torch.bfloat16, "cuda")])
-def test_other_models_keep_their_dtype_for_the_linears(dtype: torch.dtype, device: str) -> None:
-    assert resolve_linear_dtype("float32", dtype, device)[0] == dtype
+def test_other_models_have_no_plan(dtype: torch.dtype, device: str, checkpoint: Path) -> None:
+    assert plan_cpu_linears("float32", load_ours(checkpoint), dtype, device, SINGLE_RANK) is None
 
 
-def test_unknown_mode_is_rejected_naming_the_field() -> None:
+def test_unknown_mode_is_rejected_naming_the_field(checkpoint: Path) -> None:
     with pytest.raises(ValueError, match="cpu_bf16_linear"):
-        resolve_linear_dtype("fp16", torch.bfloat16, "cpu")
+        plan_cpu_linears("fp16", load_ours(checkpoint), torch.bfloat16, "cpu", SINGLE_RANK)
     with pytest.raises(ValueError, match="cpu_bf16_linear"):
         EngineArgs(cpu_bf16_linear="fp16")
 
 
+@pytest.mark.parametrize(
+    ("stream_wins_at", "expected"),
+    [(set(CANDIDATE_ROWS), CANDIDATE_ROWS[-1]), ({1, 2, 4, 8}, 8), ({1, 2, 8, 16}, 2), (set(), 0)],
+    ids=["always", "up-to-8", "first-loss-ends-it", "never"],
+)
+def test_the_crossover_is_the_last_row_count_before_streaming_first_loses(
+    stream_wins_at: set[int], expected: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    timings = iter([])
+
+    def scripted(run) -> float:  # measure_crossover times streaming, then the GEMM, per row count
+        return next(timings)
+
+    rows_order = [(rows, 1.0 if rows in stream_wins_at else 3.0, 2.0) for rows in CANDIDATE_ROWS]
+    timings = iter(value for _, stream, gemm in rows_order for value in (stream, gemm))
+    monkeypatch.setattr(cpu_linear_plan, "_fastest_seconds", scripted)
+    stream_rows, measured = measure_crossover(torch.randn(8, 64).bfloat16(), torch.bfloat16, False, SINGLE_RANK)
+    assert stream_rows == expected
+    assert measured == rows_order
+
+
 def test_widened_linears_keep_their_bfloat16_weight_for_decode_rows(checkpoint: Path) -> None:
-    native, widened = load_bf16(checkpoint, torch.bfloat16), load_bf16(checkpoint, torch.float32)
+    native, widened = load_bf16(checkpoint, NATIVE), load_bf16(checkpoint, STREAMED_FLOAT32)
     native_modules = dict(native.named_modules())
     for name, module in widened.named_modules():
         if isinstance(module, LINEARS):
-            assert torch.equal(module.bf16_weight, native_modules[name].weight)
+            assert torch.equal(module.streamed.weight, native_modules[name].weight)
     tied = native.lm_head.weight.data_ptr() == native.model.embed_tokens.weight.data_ptr()
-    shares_the_embedding = widened.lm_head.bf16_weight.data_ptr() == widened.model.embed_tokens.weight.data_ptr()
+    shares_the_embedding = widened.lm_head.streamed.weight.data_ptr() == widened.model.embed_tokens.weight.data_ptr()
     assert shares_the_embedding == tied  # a tied head streams the embedding itself: no third copy
 
 
@@ -139,6 +182,17 @@ def test_a_widened_layer_gives_the_float32_gemm_at_any_row_count(rows: int) -> N
     layer.weight.data = torch.randn(48, 64).bfloat16()
     layer.bias.data = torch.randn(48).bfloat16()
     weight, bias = layer.weight.float(), layer.bias.float()
-    layer.widen_(torch.float32)
+    layer.plan_cpu_(torch.float32, cpu_linear.MAX_ROWS, pack=False)
     x = torch.randn(rows, 64).bfloat16()
     torch.testing.assert_close(layer(x), F.linear(x.float(), weight, bias).bfloat16(), atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9], ids=["one-row", "most-streamed-rows", "gemm"])
+def test_a_bfloat16_layer_streams_up_to_its_stream_rows_and_runs_the_gemm_above(rows: int) -> None:
+    layer = RowParallelLinear(64, 48, SINGLE_RANK)
+    layer.weight.data = torch.randn(48, 64).bfloat16()
+    layer.plan_cpu_(torch.bfloat16, 8, pack=False)
+    assert layer.streamed is not None and layer.weight.data_ptr() == layer.streamed.weight.data_ptr()  # no copy
+    x = torch.randn(rows, 64).bfloat16()
+    streamed = cpu_linear.small_batch_linear(x, layer.streamed.weight)
+    assert torch.equal(layer(x), streamed if rows <= 8 else F.linear(x, layer.weight))

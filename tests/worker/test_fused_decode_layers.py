@@ -12,7 +12,6 @@ from transformers import PreTrainedConfig
 from strata.kernels import cpu_decoder_layer, cpu_linear, native
 from strata.worker.attention import get_attention_backend
 from strata.worker.llama import LlamaDecoderLayer, LlamaForCausalLM
-from strata.worker.model_loader import load_model
 
 from model_factory import (
     random_prompts,
@@ -22,7 +21,7 @@ from model_factory import (
     tiny_qwen2_config,
     tiny_qwen3_config,
 )
-from worker_helpers import SINGLE_RANK, PagedRunner, greedy_decode
+from worker_helpers import STREAMED_FLOAT32, PagedRunner, greedy_decode, load_planned
 
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the CPU kernels")
 
@@ -32,7 +31,7 @@ DECODE_TOKENS = 6
 
 def load_widened_bf16(path: Path, backend: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:
     """The engine's load of a bfloat16 model on a CPU without native bfloat16."""
-    return load_model(path, dtype, SINGLE_RANK, get_attention_backend(backend, CPU), CPU, linear_dtype=torch.float32)
+    return load_planned(path, STREAMED_FLOAT32, get_attention_backend(backend, CPU), dtype=dtype)
 
 
 def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:

@@ -11,7 +11,7 @@ from transformers import GPT2Config
 from model_factory import TINY_CONFIGS, save_tiny_model, tiny_llama_config, tiny_mixtral_config
 from worker_helpers import SINGLE_RANK, load_ours
 
-from strata.worker import model_loader
+from strata.kernels import cpu_features
 from strata.worker.attention import TorchAttentionBackend
 from strata.worker.model_loader import load_model, resolve_dtype, resolve_model_path
 
@@ -113,7 +113,7 @@ def test_auto_dtype_on_cpu_is_bfloat16_only_with_native_support(
 ) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-    monkeypatch.setattr(model_loader, "_CPUINFO", cpuinfo)
+    monkeypatch.setattr(cpu_features, "CPUINFO", cpuinfo)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     dtype, reason = resolve_dtype("auto", "cpu")
     assert dtype == expected

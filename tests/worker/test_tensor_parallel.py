@@ -12,11 +12,10 @@ from transformers import PreTrainedConfig
 
 from strata.worker.attention import CpuAttentionBackend
 from strata.worker.llama import LlamaForCausalLM
-from strata.worker.model_loader import load_model
 from strata.worker.parallel_state import TensorParallel, init_tensor_parallel
 
 from model_factory import TINY_CONFIGS, random_prompts, save_tiny_model, tiny_gemma3_config, tiny_llama_config
-from worker_helpers import SINGLE_RANK, PagedRunner, greedy_decode, load_ours
+from worker_helpers import SINGLE_RANK, STREAMED_FLOAT32, PagedRunner, greedy_decode, load_ours, load_planned
 
 TP_SIZE = 2
 PROMPT_LENGTHS = [7, 20]
@@ -116,7 +115,7 @@ def test_two_ranks_of_a_bfloat16_model_on_fused_cpu_layers_give_the_logits_of_on
 
 def load_widened_bf16(model_dir: Path, tp: TensorParallel) -> LlamaForCausalLM:
     """A bfloat16 model as the engine loads it on a CPU without native bfloat16."""
-    return load_model(model_dir, torch.bfloat16, tp, CpuAttentionBackend(), "cpu", linear_dtype=torch.float32)
+    return load_planned(model_dir, STREAMED_FLOAT32, CpuAttentionBackend(), tp)
 
 
 def assert_two_ranks_give_the_logits_of_one(config: PreTrainedConfig, tmp_path: Path, device: str = "cpu") -> None:

@@ -5,12 +5,25 @@ from pathlib import Path
 
 import torch
 
-from strata.worker.attention import AttentionMetadata, TorchAttentionBackend
+from strata.kernels import cpu_linear
+from strata.worker.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from strata.worker.cpu_linear_plan import CpuLinearPlan, apply_cpu_linear_plan
 from strata.worker.llama import LlamaForCausalLM
 from strata.worker.model_loader import load_model
 from strata.worker.parallel_state import TensorParallel
 
 SINGLE_RANK = TensorParallel(rank=0, size=1)
+# What a CPU without native bfloat16 runs: float32 GEMMs, every step the kernels take streamed.
+STREAMED_FLOAT32 = CpuLinearPlan(torch.float32, False, cpu_linear.MAX_ROWS, "tests: float32 GEMMs, streamed decode steps")
+
+
+def load_planned(
+    path: Path, plan: CpuLinearPlan, backend: AttentionBackend, tp: TensorParallel = SINGLE_RANK, dtype: torch.dtype = torch.bfloat16
+) -> LlamaForCausalLM:
+    """A model loaded on the CPU with its linears following ``plan``, as the engine does."""
+    model = load_model(path, dtype, tp, backend, "cpu")
+    apply_cpu_linear_plan(model, plan)
+    return model
 
 
 def load_ours(path: Path, tp: TensorParallel = SINGLE_RANK, device: str = "cpu") -> LlamaForCausalLM:

@@ -1,0 +1,153 @@
+"""How a bfloat16 model's linear layers run on the CPU at hand, chosen at start.
+
+Two paths compute ``x W^T`` on the CPU, and each wins at one end of the step sizes:
+- a GEMM (oneDNN): in bfloat16 where the CPU multiplies bfloat16 natively (AVX512-BF16, AMX),
+  on weights packed once into oneDNN's layout (``kernels.onednn_linear``), else in float32
+  (``F.linear``) on float32 copies of the bfloat16 weights, exact but twice their memory (an
+  emulated bfloat16 GEMM is several times slower than either);
+- the streamed small-batch kernel (``kernels.cpu_linear``), which reads the bfloat16 weights
+  once per step at close to the memory bandwidth, where a GEMM tuned for many rows reads them at
+  a fraction of it; its cost grows with the rows.
+
+A step of at most ``stream_rows`` rows streams (and Llama layers then run as two fused C calls,
+``worker/fused_decode_layers.py``); larger steps run the GEMM. ``stream_rows`` is the crossover
+measured at start on a slice of the model's own largest linear: the largest row count of
+``CANDIDATE_ROWS`` up to which streaming is no slower than the GEMM. Every tensor-parallel rank
+adds up the same timings, so all ranks choose alike.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from strata.kernels import cpu_features, cpu_linear, onednn_linear
+from strata.worker.config import CPU_BF16_LINEAR_MODES
+from strata.worker.fused_decode_layers import fuse_cpu_decode_layers
+from strata.worker.parallel_state import TensorParallel
+from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, linear
+
+logger = logging.getLogger(__name__)
+
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32)
+SAMPLE_FEATURES = 1024  # output features of the timed slice: the per-weight cost, in a few ms
+TIMED_REPEATS = 5
+
+PlannedLinear = ColumnParallelLinear | RowParallelLinear | ParallelLMHead
+
+
+@dataclass(frozen=True)
+class CpuLinearPlan:
+    """The GEMM's weight dtype, whether its weights are oneDNN-packed, and up to how many rows a
+    step streams the bfloat16 weights instead (0: never)."""
+
+    gemm_dtype: torch.dtype
+    packed: bool
+    stream_rows: int
+    reason: str
+
+    def describe(self) -> str:
+        gemm = f"{'packed ' if self.packed else ''}{str(self.gemm_dtype).removeprefix('torch.')} GEMM"
+        if not self.stream_rows:
+            return f"{gemm} at every step ({self.reason})"
+        return (
+            f"steps of <= {self.stream_rows} rows stream the bfloat16 weights ({cpu_linear.body()}), "
+            f"larger steps run the {gemm} ({self.reason})"
+        )
+
+
+def plan_cpu_linears(
+    mode: str, model: nn.Module, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel
+) -> CpuLinearPlan | None:
+    """The plan for ``--cpu-bf16-linear mode``, or None where there is no choice to make: a model
+    that is not bfloat16, or not on the CPU.
+
+    ``native``: oneDNN's bfloat16 GEMM at every step. ``float32``: float32 GEMMs on float32 copies,
+    streaming below the measured crossover. ``auto``: the bfloat16 GEMM where the CPU has native
+    bfloat16, else float32 copies; streaming below the crossover either way.
+    """
+    if mode not in CPU_BF16_LINEAR_MODES:
+        raise ValueError(f"cpu_bf16_linear must be one of {', '.join(CPU_BF16_LINEAR_MODES)}, got {mode!r}")
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return None
+    if mode == "native":
+        return CpuLinearPlan(torch.bfloat16, _packs(torch.bfloat16), 0, "--cpu-bf16-linear native")
+    if mode == "float32":
+        gemm_dtype, why = torch.float32, "--cpu-bf16-linear float32"
+    elif cpu_features.has_native_bf16():
+        gemm_dtype, why = torch.bfloat16, f"auto: the CPU ({cpu_features.isa_level()}) computes bfloat16 natively"
+    else:
+        gemm_dtype, why = torch.float32, f"auto: the CPU ({cpu_features.isa_level()}) lacks native bfloat16"
+    packed = _packs(gemm_dtype)
+    weight = _largest_streamable_weight(model)
+    if weight is None:
+        return CpuLinearPlan(gemm_dtype, packed, 0, f"{why}; no linear can be streamed")
+    sample = weight[:SAMPLE_FEATURES].contiguous()
+    stream_rows, timings = measure_crossover(sample, gemm_dtype, packed, tp)
+    measured = ", ".join(f"{rows}: {stream * 1e6:.0f}/{gemm * 1e6:.0f}" for rows, stream, gemm in timings)
+    return CpuLinearPlan(
+        gemm_dtype, packed, stream_rows, f"{why}; us streamed/GEMM by rows on {list(sample.shape)}: {measured}"
+    )
+
+
+def measure_crossover(
+    weight: torch.Tensor, gemm_dtype: torch.dtype, packed: bool, tp: TensorParallel
+) -> tuple[int, list[tuple[int, float, float]]]:
+    """The largest of ``CANDIDATE_ROWS`` up to which streaming ``weight`` (bfloat16) is no slower
+    than the GEMM on its ``gemm_dtype`` copy (``packed`` or not), with the (rows, stream s, GEMM s)
+    timings summed over the ranks of ``tp``."""
+    gemm_weight = weight.to(gemm_dtype)
+    gemm_packed = onednn_linear.pack(gemm_weight) if packed else None
+    generator = torch.Generator().manual_seed(0)
+    seconds = torch.zeros(len(CANDIDATE_ROWS), 2, dtype=torch.float64)
+    for i, rows in enumerate(CANDIDATE_ROWS):
+        x = torch.randn(rows, weight.shape[1], generator=generator).bfloat16()
+        seconds[i, 0] = _fastest_seconds(lambda: cpu_linear.small_batch_linear(x, weight))
+        seconds[i, 1] = _fastest_seconds(lambda: linear(x, gemm_weight, packed=gemm_packed))
+    seconds = tp.all_reduce(seconds)
+    stream_rows = 0
+    for rows, (stream, gemm) in zip(CANDIDATE_ROWS, seconds.tolist()):
+        if stream > gemm:
+            break
+        stream_rows = rows
+    return stream_rows, [(rows, stream, gemm) for rows, (stream, gemm) in zip(CANDIDATE_ROWS, seconds.tolist())]
+
+
+def apply_cpu_linear_plan(model: nn.Module, plan: CpuLinearPlan) -> None:
+    """Hold the linear and LM-head weights as ``plan`` says, and let the Llama decoder layers run
+    the streamed steps as fused C calls."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            module.plan_cpu_(plan.gemm_dtype, plan.stream_rows, plan.packed)
+    if plan.stream_rows:
+        fuse_cpu_decode_layers(model, plan.stream_rows)
+
+
+def _packs(gemm_dtype: torch.dtype) -> bool:
+    """Whether the GEMM runs on oneDNN-packed weights: bfloat16 ones, where it was measured faster
+    (``kernels/onednn_linear.py``)."""
+    return gemm_dtype == torch.bfloat16 and onednn_linear.available(gemm_dtype)
+
+
+def _largest_streamable_weight(model: nn.Module) -> torch.Tensor | None:
+    weights = [
+        module.weight.data
+        for module in model.modules()
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and cpu_linear.supports_weight(module.weight)
+    ]
+    return max(weights, key=torch.Tensor.numel, default=None)
+
+
+def _fastest_seconds(run: Callable[[], object]) -> float:
+    """The fastest of a few timed runs: on a shared machine the others only add what other
+    processes took."""
+    run()  # first-call costs (oneDNN builds its kernel for the shape)
+    times = []
+    for _ in range(TIMED_REPEATS):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
