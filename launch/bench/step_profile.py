@@ -8,6 +8,10 @@ cost would distort a step made of many small calls) and prints a Markdown table 
 per step. The parts nest: the decoder holds the fused layer halves (decode steps of few rows,
 ``kernels/cpu_decoder_layer.py``) and the linears of the module path (steps with more rows);
 whatever a part does not name is its "rest" row.
+
+Below the table: the memory bound of a one-row decode step, the bytes of weights such a step
+reads (every linear's and the LM head's, as held for the step) over the bandwidth of a plain
+multi-threaded read of 256 MB measured in the same run, and the measured step's ratio to it.
 """
 
 import argparse
@@ -15,11 +19,14 @@ import collections
 import time
 from collections.abc import Callable
 
+import torch
+
 from strata.engine_core.sampling_params import SamplingParams
 from strata.kernels import cpu_attention, cpu_decoder_layer, cpu_kv_cache, cpu_layers, reference
 from strata.launch.bench.throughput import CORPUS, Workload, synthetic_prompts
 from strata.launch.llm import LLM
 from strata.worker import model_runner, tp_layers
+from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 Timers = collections.defaultdict[str, float]
 
@@ -38,6 +45,30 @@ def time_calls(owner: object, name: str, part: str, timers: Timers, calls: colle
             calls[part] += 1
 
     setattr(owner, name, timed)
+
+
+def weight_bytes_per_row_step(model: torch.nn.Module) -> int:
+    """Bytes of weights a one-row decode step reads: each linear's and the LM head's weight, the
+    streamed copy where the layer streams one-row steps."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            streamed = module.streamed
+            weight = streamed.weight if streamed is not None and streamed.max_rows >= 1 else module.weight
+            total += weight.numel() * weight.element_size()
+    return total
+
+
+def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes per second of the fastest of a few plain reads (a sum) of ``nbytes`` on torch's threads."""
+    data = torch.ones(nbytes // 4)
+    data.sum()
+    fastest = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        fastest = min(fastest, time.perf_counter() - start)
+    return nbytes / fastest
 
 
 def main() -> None:
@@ -104,6 +135,10 @@ def main() -> None:
     print("|---|---|---|")
     for part, value in rows:
         print(f"| {part} | {value:.2f} | {value / ms['step']:.0%} |")
+    weights, bandwidth = weight_bytes_per_row_step(runner.model), read_bandwidth()
+    bound_ms = weights / bandwidth * 1e3
+    print(f"memory bound of a one-row step: {weights / 1e6:.0f} MB of weights / {bandwidth / 1e9:.1f} GB/s "
+          f"(plain read) = {bound_ms:.2f} ms; this run's step is {ms['step'] / bound_ms:.2f}x that")
     llm.shutdown()
 
 
