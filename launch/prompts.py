@@ -17,12 +17,22 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 
 def encode_chat(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], tools: list[dict] | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict],
+    tools: list[dict] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
 ) -> list[int]:
-    """The token ids of a conversation through the chat template, ready for the assistant's reply.
-    ``tools`` (OpenAI tool definitions) go to templates that render them.
+    """The token ids of a conversation through the chat template, by default ready for the
+    assistant's reply. ``tools`` (OpenAI tool definitions) go to templates that render them;
+    ``continue_final_message`` leaves the last message open for the model to go on with.
 
     Raises ``jinja2.TemplateError`` if the template rejects the messages.
     """
-    text = tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    text = tokenizer.apply_chat_template(
+        list(messages), tools=tools, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, tokenize=False,
+    )
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -26,12 +27,16 @@ from strata.launch.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
 )
 from strata.launch.server.completions import ChatCompletions, Completions, json_response
+from strata.launch.server.tokenization import Tokenization
 from strata.launch.server.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -76,12 +81,13 @@ class AppOptions:
 
 def build_app(engine: AsyncEngine, options: AppOptions) -> FastAPI:
     """The FastAPI application serving ``engine``. ``/health`` and ``/metrics`` stay open;
-    everything under ``/v1`` needs the API key when one is set."""
+    ``/v1`` and ``/tokenize``, ``/detokenize`` beside it need the API key when one is set."""
     app = FastAPI(title="strata", docs_url=None, redoc_url=None, openapi_url=None)
     model_name = options.served_model_name or default_model_name(engine)
     metrics = ServerMetrics(engine.replica_stats)
     completions = Completions(engine, model_name, metrics)
     chat = ChatCompletions(engine, model_name, metrics, options.tool_call_parser)
+    tokenization = Tokenization(engine, model_name, options.tool_call_parser)
     model_card = ModelCard(id=model_name, created=int(time.time()), max_model_len=engine.max_model_len)
 
     def require_api_key(request: Request) -> None:
@@ -123,6 +129,22 @@ def build_app(engine: AsyncEngine, options: AppOptions) -> FastAPI:
 
     app.include_router(v1)
 
+    # Beside /v1, where vLLM serves them.
+    tokens = APIRouter(dependencies=[Depends(require_api_key)])
+
+    @tokens.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        text = await read_text(request, options.max_request_bytes)
+        form = TokenizeChatRequest if _names_field(text, "messages") else TokenizeCompletionRequest
+        return json_response(await engine.off_loop(tokenization.tokenize, parse_body(text, form)))
+
+    @tokens.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await read_body(request, DetokenizeRequest, options.max_request_bytes)
+        return json_response(await engine.off_loop(tokenization.detokenize, body))
+
+    app.include_router(tokens)
+
     @app.get("/health")
     async def health() -> Response:
         try:
@@ -163,6 +185,11 @@ def default_model_name(engine: AsyncEngine) -> str:
 async def read_body(request: Request, model: type[ModelT], limit: int) -> ModelT:
     """Parse the body as ``model``: 413 over ``limit`` bytes (refused from Content-Length
     before reading when the client sends one), 400 for invalid UTF-8, JSON or fields."""
+    return parse_body(await read_text(request, limit), model)
+
+
+async def read_text(request: Request, limit: int) -> str:
+    """The body as text: 413 over ``limit`` bytes, 400 if it is not UTF-8."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -172,13 +199,26 @@ async def read_body(request: Request, model: type[ModelT], limit: int) -> ModelT
         if len(body) > limit:
             raise _too_large(limit)
     try:
-        text = body.decode("utf-8")
+        return body.decode("utf-8")
     except UnicodeDecodeError as error:
         raise APIError(400, f"the body is not valid UTF-8: {error}") from None
+
+
+def parse_body(text: str, model: type[ModelT]) -> ModelT:
+    """``text`` as ``model``: 400 for invalid JSON or fields."""
     try:
         return model.model_validate_json(text)
     except ValidationError as error:
         raise _invalid(error) from None
+
+
+def _names_field(text: str, field: str) -> bool:
+    """Whether ``text`` is a JSON object with ``field`` (invalid JSON: no; parsing it reports that)."""
+    try:
+        body = from_json(text)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and field in body
 
 
 def _invalid(error: ValidationError) -> APIError:

@@ -18,6 +18,7 @@ import jinja2
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
+from transformers import PreTrainedTokenizerBase
 
 from strata.engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from strata.launch.async_engine import AsyncEngine
@@ -36,6 +37,7 @@ from strata.launch.server.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
+    ChatPrompt,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
@@ -296,11 +298,7 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
 
     def _job(self, body: ChatCompletionRequest, tenant_salt: str | None) -> Job:
         tools = tool_plan(body, self.tool_call_parser)
-        messages, tool_definitions = template_messages(body.messages, tools, self.engine.tokenizer)
-        try:
-            prompt = encode_chat(self.engine.tokenizer, messages, tool_definitions)
-        except jinja2.TemplateError as error:  # e.g. a template that demands alternating roles
-            raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
+        prompt = chat_prompt_ids(self.engine.tokenizer, body, tools)
         constraint, tool_constraint = structured_outputs_of(body), tools.constraint()
         if constraint is not None and tool_constraint is not None:
             raise APIError(
@@ -410,6 +408,28 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
     def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
         token = self.token_text(token_id)
         return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+
+def chat_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    body: ChatPrompt,
+    tools: ToolPlan,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """The token ids the chat template makes of ``body``'s messages and ``tools`` (by default
+    what a chat completion prompts the model with); a 400 if the template rejects them."""
+    messages, tool_definitions = template_messages(body.messages, tools, tokenizer)
+    try:
+        return encode_chat(
+            tokenizer, messages, tool_definitions, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, add_special_tokens=add_special_tokens,
+        )
+    # e.g. a template that demands alternating roles, or a final message it cannot leave open
+    except (jinja2.TemplateError, ValueError) as error:
+        raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
 
 
 def _prompts(prompt: str | list) -> list[str | list[int]]:

@@ -154,15 +154,47 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
-class ChatCompletionRequest(GenerationRequest):
-    """``POST /v1/chat/completions``."""
+class ChatPrompt(_Strict):
+    """The fields that decide a chat request's prompt: its messages and the tools it shows."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(le=MAX_LOGPROBS)] | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+
+class ChatCompletionRequest(ChatPrompt, GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(le=MAX_LOGPROBS)] | None = None
+
+
+class TokenizeCompletionRequest(_Strict):
+    """``POST /tokenize`` of a text prompt (vLLM's shape); ``model`` may be left out."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatPrompt):
+    """``POST /tokenize`` of a conversation, as ``/v1/chat/completions`` would prompt the model
+    with it (vLLM's shape)."""
+
+    model: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -294,6 +326,19 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    """``token_strs``: each token's own string, when the request asks for them."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # ---- errors ------------------------------------------------------------------------------

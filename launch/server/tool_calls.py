@@ -23,7 +23,7 @@ import llguidance
 from transformers import PreTrainedTokenizerBase
 
 from strata.engine_core.sampling_params import StructuredOutputsParams
-from strata.launch.server.protocol import APIError, ChatCompletionRequest, ChatMessage, Tool
+from strata.launch.server.protocol import APIError, ChatMessage, ChatPrompt, Tool
 from strata.launch.server.structured import schema_text
 from strata.launch.server.tool_parsers import (
     NamedCallParser,
@@ -69,7 +69,7 @@ class ToolPlan:
         return None
 
 
-def tool_plan(body: ChatCompletionRequest, parser_name: str) -> ToolPlan:
+def tool_plan(body: ChatPrompt, parser_name: str) -> ToolPlan:
     """The request's plan; a 400 naming the field for tools, choices or history that are wrong."""
     tools = tuple(body.tools or ())
     _check_tools(tools)
