@@ -26,7 +26,6 @@ class Tokenization:
         self.engine = engine
         self.model_name = model_name
         self.tool_call_parser = tool_call_parser
-        self.vocab_size = len(engine.tokenizer)
 
     def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         self._check_model(body.model)
@@ -54,14 +53,13 @@ class Tokenization:
 
     def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         self._check_model(body.model)
-        unknown = [token for token in body.tokens if token >= self.vocab_size]
+        vocab_size = len(self.engine.tokenizer)
+        unknown = [token for token in body.tokens if token >= vocab_size]
         if unknown:
             listed = ", ".join(map(str, unknown[:MAX_REPORTED_IDS]))
             if len(unknown) > MAX_REPORTED_IDS:
                 listed += ", ..."
-            raise APIError(
-                400, f"token ids outside the vocabulary (0 to {self.vocab_size - 1}): {listed}", param="tokens"
-            )
+            raise APIError(400, f"token ids outside the vocabulary (0 to {vocab_size - 1}): {listed}", param="tokens")
         return DetokenizeResponse(prompt=self.engine.tokenizer.decode(body.tokens))
 
     def _check_model(self, model: str | None) -> None:
