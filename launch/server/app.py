@@ -241,6 +241,9 @@ def _too_large(limit: int) -> APIError:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> Response:
+        # The access line gives only the status; the reason goes to the log beside it.
+        info = error.body.error
+        logger.info("%s %s refused with %d (%s): %s", request.method, request.url.path, error.status, info.type, info.message)
         return json_response(error.body, error.status)
 
     @app.exception_handler(HTTPException)

@@ -230,6 +230,13 @@ def test_out_of_range_parameter_is_400_naming_it(client, model):
     assert raised.value.body["param"] == "top_p" and "top_p must be in (0, 1]" in raised.value.body["message"]
 
 
+def test_a_refused_request_is_logged_with_its_reason(client, model, server):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=2, top_p=7)
+    logged = "POST /v1/completions refused with 400 (invalid_request_error): top_p must be in (0, 1]"
+    assert logged in server.log.read_text(errors="replace")
+
+
 def test_prompt_plus_max_tokens_beyond_max_model_len_is_400(client, model):
     with pytest.raises(openai.BadRequestError, match="exceed max_model_len"):
         client.completions.create(model=model, prompt=PROMPT, max_tokens=10**6)
