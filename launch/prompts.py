@@ -29,7 +29,8 @@ def encode_chat(
     assistant's reply. ``tools`` (OpenAI tool definitions) go to templates that render them;
     ``continue_final_message`` leaves the last message open for the model to go on with.
 
-    Raises ``jinja2.TemplateError`` if the template rejects the messages.
+    Raises ``jinja2.TemplateError`` if the template rejects the messages, ``ValueError`` if the
+    options do not fit them (e.g. no final message to continue).
     """
     text = tokenizer.apply_chat_template(
         list(messages), tools=tools, add_generation_prompt=add_generation_prompt,

@@ -16,7 +16,6 @@ measured at start on a slice of the model's own largest linear: the largest row 
 adds up the same timings, so all ranks choose alike.
 """
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,13 +29,11 @@ from strata.worker.fused_decode_layers import fuse_cpu_decode_layers
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, linear
 
-logger = logging.getLogger(__name__)
-
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32)
 SAMPLE_FEATURES = 1024  # output features of the timed slice: the per-weight cost, in a few ms
 TIMED_REPEATS = 5
 
-PlannedLinear = ColumnParallelLinear | RowParallelLinear | ParallelLMHead
+PlannedLinear = ColumnParallelLinear | RowParallelLinear | ParallelLMHead  # the layers a plan applies to
 
 
 @dataclass(frozen=True)
@@ -120,7 +117,7 @@ def apply_cpu_linear_plan(model: nn.Module, plan: CpuLinearPlan) -> None:
     """Hold the linear and LM-head weights as ``plan`` says, and let the Llama decoder layers run
     the streamed steps as fused C calls."""
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+        if isinstance(module, PlannedLinear):
             module.plan_cpu_(plan.gemm_dtype, plan.stream_rows, plan.packed)
     if plan.stream_rows:
         fuse_cpu_decode_layers(model, plan.stream_rows)

@@ -93,9 +93,12 @@ def linear(
     """
     if streamed is not None and streamed.takes(x):
         return cpu_linear.small_batch_linear(x, streamed.weight, streamed.bias)
-    gemm_x = x if x.dtype == weight.dtype else _convert(x, weight.dtype)
-    y = F.linear(gemm_x, weight, bias) if packed is None else onednn_linear.linear(gemm_x, packed, bias)
+    y = _gemm(x if x.dtype == weight.dtype else _convert(x, weight.dtype), weight, bias, packed)
     return y if y.dtype == x.dtype else _convert(y, x.dtype)
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias) if packed is None else onednn_linear.linear(x, packed, bias)
 
 
 def _convert(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -234,17 +237,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.streamed is not None and self.streamed.takes(hidden):
             logits = cpu_linear.small_batch_linear(hidden, self.streamed.weight, out_dtype=self.weight.dtype)
-        elif self.packed is not None:
-            logits = onednn_linear.linear(hidden.to(self.weight.dtype), self.packed)
         else:
-            logits = F.linear(hidden.to(self.weight.dtype), self.weight)
+            logits = _gemm(hidden.to(self.weight.dtype), self.weight, None, self.packed)
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
 
     def plan_cpu_(self, gemm_dtype: torch.dtype, stream_rows: int, pack: bool) -> None:
         """Stream steps of up to ``stream_rows`` rows; hold the weight for the GEMM in
-        ``gemm_dtype`` (oneDNN-packed if ``pack``): a head tied to the embedding and widened gets its own copy, so the
-        embedding keeps the activations' dtype (and the bfloat16 weight the head streams, see
-        ``linear``, is the embedding's own)."""
+        ``gemm_dtype`` (oneDNN-packed if ``pack``): a head tied to the embedding and widened gets
+        its own copy, so the embedding keeps the activations' dtype (and the bfloat16 weight the
+        head streams, see ``linear``, is the embedding's own)."""
         self.streamed = streamed_weight(self.weight, None, stream_rows)
         if gemm_dtype != self.weight.dtype:
             self.weight = nn.Parameter(self.weight.to(gemm_dtype), requires_grad=False)

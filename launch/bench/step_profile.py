@@ -26,7 +26,7 @@ from strata.kernels import cpu_attention, cpu_decoder_layer, cpu_kv_cache, cpu_l
 from strata.launch.bench.throughput import CORPUS, Workload, synthetic_prompts
 from strata.launch.llm import LLM
 from strata.worker import model_runner, tp_layers
-from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from strata.worker.cpu_linear_plan import PlannedLinear
 
 Timers = collections.defaultdict[str, float]
 
@@ -52,9 +52,8 @@ def weight_bytes_per_row_step(model: torch.nn.Module) -> int:
     streamed copy where the layer streams one-row steps."""
     total = 0
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
-            streamed = module.streamed
-            weight = streamed.weight if streamed is not None and streamed.max_rows >= 1 else module.weight
+        if isinstance(module, PlannedLinear):
+            weight = module.weight if module.streamed is None else module.streamed.weight
             total += weight.numel() * weight.element_size()
     return total
 
