@@ -18,6 +18,7 @@ from strata.engine_core.sampling_params import SamplingParams
 
 HANDLE_TYPECODE = "H"  # uint16 handles, packed little-endian into bytes
 TOKEN_TYPECODE = "i"  # int32 token ids
+LOGPROB_TYPECODE = "f"  # float32 logprobs
 
 
 def pack_handles(handles: list[int]) -> bytes:
@@ -64,6 +65,33 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     logprobs: list[float]
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of consecutive prompt tokens, the first at ``first_position`` (>= 1: the first
+    prompt token has none). Each position has ``width`` entries: the prompt's own token, then
+    the top ``width - 1`` alternatives. ``token_ids`` is packed int32, ``logprobs`` float32."""
+
+    first_position: int
+    width: int
+    token_ids: bytes
+    logprobs: bytes
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.token_ids) // (4 * self.width)
+
+    def skip(self, count: int) -> "PromptLogprobs":
+        """The same without its first ``count`` positions."""
+        cut = 4 * self.width * count
+        return PromptLogprobs(self.first_position + count, self.width, self.token_ids[cut:], self.logprobs[cut:])
+
+    def entries(self) -> list[dict[int, float]]:
+        """Per position: {token id: logprob}, the prompt's own token first."""
+        ids, values = unpack_tokens(self.token_ids), array(LOGPROB_TYPECODE)
+        values.frombytes(self.logprobs)
+        width = self.width
+        return [dict(zip(ids[i : i + width], values[i : i + width])) for i in range(0, len(ids), width)]
+
+
 class FinishedRequest(msgspec.Struct, array_like=True):
     request_id: str
     finish_reason: str  # "stop" | "length" | "abort" | "error"
@@ -92,13 +120,15 @@ class SchedulerStats(msgspec.Struct, array_like=True):
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="out"):
     """One step's results, as columns: ``new_token_ids[i]`` belongs to ``request_ids[i]``.
-    ``logprobs`` maps a request id to its new token's logprobs when it asked for them."""
+    ``logprobs`` maps a request id to its new token's logprobs when it asked for them;
+    ``prompt_logprobs`` to the prompt positions this step computed, in order across steps."""
 
     request_ids: list[str] = []
     new_token_ids: list[int] = []
     logprobs: dict[str, TokenLogprobs] = {}
     finished: list[FinishedRequest] = []
     stats: SchedulerStats | None = None
+    prompt_logprobs: dict[str, PromptLogprobs] = {}
 
 
 # ---- EngineCore <-> workers --------------------------------------------------------------
@@ -179,13 +209,15 @@ class KVConnectorOutput(msgspec.Struct, array_like=True):
 class ModelRunnerOutput(msgspec.Struct, array_like=True, tag="out"):
     """A step's result from one rank. ``sampled_token_ids`` is packed int32, one per
     scheduled request in batch order (meaningless for a partial prefill chunk).
-    ``logprobs`` maps a batch row to its logprobs."""
+    ``logprobs`` maps a batch row to its logprobs, ``prompt_logprobs`` a row to those of the
+    prompt positions its chunk computed."""
 
     step: int
     rank: int = 0
     sampled_token_ids: bytes = b""
     logprobs: dict[int, TokenLogprobs] = {}
     kv_connector_output: KVConnectorOutput | None = None
+    prompt_logprobs: dict[int, PromptLogprobs] = {}
 
 
 # ---- process control ----------------------------------------------------------------------

@@ -64,6 +64,16 @@ class Request:
     queue_key: tuple = ()  # (priority, arrival time, arrival order) under which it queues
     error: str | None = None
     stop_token_id: int | None = None
+    num_prompt_logprobs_sent: int = 0  # prompt positions (from 1) whose logprobs went out
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs were asked for and some are still to compute: until then
+        the request computes its prompt itself, from the start."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and self.num_prompt_logprobs_sent < len(self.prompt_token_ids) - 1
+        )
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

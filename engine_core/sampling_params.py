@@ -63,8 +63,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
     ``top_k=-1`` disables top-k; ``temperature=0`` is greedy. ``stop`` strings are matched
     by the frontend on detokenized text; ``stop_token_ids`` by the scheduler. ``logprobs=k``
-    returns the sampled token's logprob plus the ``k`` most likely tokens. Invalid values
-    raise ``ValueError`` naming the field.
+    returns the sampled token's logprob plus the ``k`` most likely tokens; ``prompt_logprobs=k``
+    the same for every prompt token after the first (the request then computes its whole
+    prompt: prefix-cache hits never computed those logprobs). ``max_tokens=0`` computes the
+    prompt and generates nothing (with ``prompt_logprobs``, scoring). Invalid values raise
+    ``ValueError`` naming the field.
     """
 
     n: int = 1
@@ -80,6 +83,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -89,7 +93,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
-        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("max_tokens", self.max_tokens, minimum=0)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
@@ -109,8 +113,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             _check_int("seed", self.seed, minimum=-(2**63))
             if self.seed >= 2**63:
                 raise ValueError(f"seed must fit in 64 signed bits, got {self.seed}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=0)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_number(name, value)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from bisect import insort
 from dataclasses import dataclass
 
+import msgspec
+
 from strata.engine_core.block_pool import KVCacheBlock
 from strata.engine_core.kv_cache_manager import KVCacheManager
 from strata.engine_core.kv_connector import SchedulerConnector
@@ -22,6 +24,7 @@ from strata.engine_core.protocol import (
     FinishedRequest,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
     SchedulerStats,
     TokenLogprobs,
@@ -303,7 +306,7 @@ class Scheduler:
         """Allocate and start a waiting request. Returns the tokens scheduled for it, 0 if it
         must keep waiting for the connector, or None if the pool has no room."""
         computed_blocks, num_external, load_async = [], 0, False
-        if request.status != RequestStatus.WAITING_FOR_KV:
+        if request.status != RequestStatus.WAITING_FOR_KV and not request.needs_prompt_logprobs:
             computed_blocks, num_local = self.kv.get_computed_blocks(request)
             num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
             if num_external is None:
@@ -338,13 +341,16 @@ class Scheduler:
         insort(self.running, request, key=_queue_key)
         if num_computed < request.num_prompt_tokens:
             self.prompt_tokens_computed += min(num_new, request.num_prompt_tokens - num_computed)
+        params = request.sampling_params
+        if params.prompt_logprobs is not None and not request.needs_prompt_logprobs:
+            params = msgspec.structs.replace(params, prompt_logprobs=None)  # resumed: sent already
         output.new_requests.append(
             NewRequestData(
                 request_id=request.request_id,
                 handle=request.handle,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=list(request.output_token_ids),
-                sampling_params=request.sampling_params,
+                sampling_params=params,
                 eos_token_id=request.eos_token_id,
                 block_ids=block_ids,
                 num_computed_tokens=num_computed,
@@ -454,10 +460,16 @@ class Scheduler:
         request_ids: list[str] = []
         new_token_ids: list[int] = []
         logprobs: dict[str, TokenLogprobs] = {}
+        # Before the tokens: a request that finishes this step still gets its last prompt logprobs.
+        prompt_logprobs = self._new_prompt_logprobs(scheduled, runner_output) if runner_output.prompt_logprobs else {}
         any_finished = False
         for request, token in zip(scheduled, tokens):
             if request.num_computed_tokens < len(request.all_token_ids) or request.status != RUNNING:
                 continue  # a prefill chunk that does not end the prompt, or aborted meanwhile
+            if not request.output_token_ids and request.sampling_params.max_tokens == 0:
+                self._finish(request, RequestStatus.LENGTH)  # its prompt computed: all it asked
+                any_finished = True
+                continue
             request.output_token_ids.append(token)
             request.all_token_ids.append(token)
             request_ids.append(request.request_id)
@@ -475,7 +487,26 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         if runner_output.kv_connector_output is not None:
             self._update_transfers(runner_output)
-        return EngineCoreOutputs(request_ids, new_token_ids, logprobs, self.take_finished(), self.stats())
+        return EngineCoreOutputs(
+            request_ids, new_token_ids, logprobs, self.take_finished(), self.stats(), prompt_logprobs
+        )
+
+    @staticmethod
+    def _new_prompt_logprobs(scheduled: list[Request], runner_output: ModelRunnerOutput) -> dict[str, PromptLogprobs]:
+        """The step's prompt logprobs that were not sent before: a request preempted in its
+        prompt computes it again from the start."""
+        new = {}
+        for row, computed in runner_output.prompt_logprobs.items():
+            request = scheduled[row]
+            if request.status != RUNNING:
+                continue  # aborted meanwhile
+            repeated = request.num_prompt_logprobs_sent - (computed.first_position - 1)
+            if repeated > 0:
+                computed = computed.skip(repeated)
+            if computed.num_positions:
+                new[request.request_id] = computed
+                request.num_prompt_logprobs_sent += computed.num_positions
+        return new
 
     def _update_transfers(self, runner_output: ModelRunnerOutput) -> None:
         connector_output = runner_output.kv_connector_output

@@ -85,7 +85,8 @@ class OutputProcessor:
             raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer)")
         now = time.time()
         output = RequestOutput(
-            request_id, prompt, prompt_token_ids, [CompletionOutput(i) for i in range(params.n)], RequestMetrics(now)
+            request_id, prompt, prompt_token_ids, [CompletionOutput(i) for i in range(params.n)], RequestMetrics(now),
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         self.outputs[request_id] = output
         if self.extra_eos_token_ids and not params.ignore_eos:
@@ -97,7 +98,9 @@ class OutputProcessor:
             if params.n > 1:
                 # Wrapped into int64: the workers keep seeds in int64 arrays.
                 seed = None if params.seed is None else (params.seed + index + 2**63) % 2**64 - 2**63
-                child_params = msgspec.structs.replace(params, n=1, seed=seed)
+                # The prompt is the same for every completion: the first scores it.
+                prompt_logprobs = params.prompt_logprobs if index == 0 else None
+                child_params = msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
             completion.logprobs = [] if params.logprobs is not None else None
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.stop or [], params.include_stop_str_in_output,
@@ -126,6 +129,10 @@ class OutputProcessor:
         now = time.time()
         deltas: dict[str, CompletionDelta] = {}
         to_abort: list[str] = []
+        for request_id, prompt_logprobs in outputs.prompt_logprobs.items():
+            state = self._completions.get(request_id)
+            if state is not None and state.output.prompt_logprobs is not None:
+                state.output.prompt_logprobs.extend(prompt_logprobs.entries())
         for request_id, token in zip(outputs.request_ids, outputs.new_token_ids):
             state = self._completions.get(request_id)
             if state is None:

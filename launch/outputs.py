@@ -40,11 +40,16 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """One prompt's completions. ``prompt_logprobs`` (when asked for): per prompt token its
+    {token id: logprob}, the prompt's own token first, then the top alternatives; ``None`` for
+    the first token, which nothing predicts. It is complete before the first output token."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:

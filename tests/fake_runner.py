@@ -4,7 +4,11 @@ a deterministic function of the request's whole token history."""
 
 from dataclasses import dataclass, field
 
-from strata.engine_core.protocol import ModelRunnerOutput, SchedulerOutput, pack_tokens, unpack_handles
+from array import array
+
+from strata.engine_core.protocol import (
+    ModelRunnerOutput, PromptLogprobs, SchedulerOutput, pack_tokens, unpack_handles, unpack_tokens,
+)
 from strata.engine_core.scheduler import Scheduler
 
 
@@ -15,11 +19,17 @@ class Row:
     num_computed: int
     block_ids: list[int]
     num_prompt: int = 0
+    wants_prompt_logprobs: bool = False
 
 
 def next_token(token_ids: list[int]) -> int:
     """Deterministic in the history, never below 3 (ids 0-2 are left for EOS in tests)."""
     return (sum(token_ids[-4:]) * 31 + 7 * len(token_ids)) % 997 + 3
+
+
+def fake_prompt_logprob(position: int) -> float:
+    """What the fake runner reports as the logprob of the prompt token at ``position``."""
+    return -float(position)
 
 
 @dataclass
@@ -35,7 +45,8 @@ class FakeRunner:
         for new in out.new_requests:
             assert new.handle not in self.rows, "handle reused before it was released"
             row = Row(new.request_id, new.prompt_token_ids + new.output_token_ids,
-                       new.num_computed_tokens, list(new.block_ids), len(new.prompt_token_ids))
+                       new.num_computed_tokens, list(new.block_ids), len(new.prompt_token_ids),
+                       new.sampling_params.prompt_logprobs is not None)
             self.rows[new.handle] = row
             batch.append((row, new.num_scheduled_tokens))
         for handle in unpack_handles(out.cached.handles):
@@ -44,7 +55,15 @@ class FakeRunner:
             batch.append((row, out.cached.num_tokens.get(handle, 1)))
         assert sum(n for _, n in batch) == out.total_num_scheduled_tokens
         sampled = []
-        for row, num_tokens in batch:
+        prompt_logprobs = {}
+        for index, (row, num_tokens) in enumerate(batch):
+            if row.wants_prompt_logprobs:
+                scored = range(row.num_computed + 1, min(row.num_computed + num_tokens, row.num_prompt - 1) + 1)
+                if scored:
+                    prompt_logprobs[index] = PromptLogprobs(
+                        scored.start, 1, pack_tokens(row.token_ids[scored.start : scored.stop]),
+                        array("f", map(fake_prompt_logprob, scored)).tobytes(),
+                    )
             row.num_computed += num_tokens
             assert row.num_computed <= len(row.token_ids), "scheduled tokens that do not exist"
             assert len(row.block_ids) * self.block_size >= row.num_computed, "not enough blocks"
@@ -52,7 +71,7 @@ class FakeRunner:
             sampled.append(token)
             if row.num_computed == len(row.token_ids):
                 row.token_ids.append(token)
-        return ModelRunnerOutput(step=out.step, sampled_token_ids=pack_tokens(sampled))
+        return ModelRunnerOutput(step=out.step, sampled_token_ids=pack_tokens(sampled), prompt_logprobs=prompt_logprobs)
 
     def _sample(self, row: Row) -> int:
         script = self.forced_tokens.get(row.request_id)
@@ -67,27 +86,38 @@ class Result:
     token_ids: list[int]
     finish_reason: str
     message: str | None
+    prompt_logprobs: list[tuple[int, int, float]] = field(default_factory=list)  # (position, token, logprob)
 
 
 def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 100_000) -> dict[str, Result]:
     """Step until nothing is left, checking invariants after every step."""
     results: dict[str, Result] = {}
     tokens: dict[str, list[int]] = {}
+    prompt_logprobs: dict[str, list[tuple[int, int, float]]] = {}
     for _ in range(max_steps):
-        step(scheduler, runner, tokens, results)
+        step(scheduler, runner, tokens, results, prompt_logprobs)
         if not scheduler.has_work():
             return results
     raise AssertionError(f"not finished after {max_steps} steps")
 
 
-def step(scheduler: Scheduler, runner: FakeRunner, tokens: dict[str, list[int]], results: dict[str, Result]):
+def step(scheduler: Scheduler, runner: FakeRunner, tokens: dict[str, list[int]], results: dict[str, Result],
+         prompt_logprobs: dict[str, list[tuple[int, int, float]]] | None = None):
+    """One step; ``tokens`` and ``prompt_logprobs`` gather what unfinished requests received."""
+    prompt_logprobs = {} if prompt_logprobs is None else prompt_logprobs
     out = scheduler.schedule()
     outputs = scheduler.update_from_output(out, runner.execute(out))
     scheduler.check_invariants()
+    for request_id, received in outputs.prompt_logprobs.items():
+        positions = range(received.first_position, received.first_position + received.num_positions)
+        values = array("f")
+        values.frombytes(received.logprobs)
+        prompt_logprobs.setdefault(request_id, []).extend(zip(positions, unpack_tokens(received.token_ids), values))
     for request_id, token in zip(outputs.request_ids, outputs.new_token_ids):
         tokens.setdefault(request_id, []).append(token)
     for finished in outputs.finished:
         results[finished.request_id] = Result(
-            tokens.pop(finished.request_id, []), finished.finish_reason, finished.message
+            tokens.pop(finished.request_id, []), finished.finish_reason, finished.message,
+            prompt_logprobs.pop(finished.request_id, []),
         )
     return out, outputs

@@ -51,6 +51,7 @@ class InputBatch:
         self.repetition_penalty = np.ones(num_rows, dtype=np.float32)
         self.min_tokens = np.zeros(num_rows, dtype=np.int64)
         self.num_logprobs = np.full(num_rows, -1, dtype=np.int64)  # -1 = none
+        self.num_prompt_logprobs = np.full(num_rows, -1, dtype=np.int64)  # -1 = none
         self.stop_token_ids: list[list[int]] = [[] for _ in range(num_rows)]
         self.logit_bias: list[dict[int, float] | None] = [None] * num_rows
         self.request_ids: list[str | None] = [None] * num_rows
@@ -75,6 +76,7 @@ class InputBatch:
         self.repetition_penalty[row] = params.repetition_penalty
         self.min_tokens[row] = params.min_tokens
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.num_prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         self.logit_bias[row] = params.logit_bias or None
         stop = list(params.stop_token_ids or ())
         if new.eos_token_id is not None and not params.ignore_eos:

@@ -20,6 +20,7 @@ from strata.worker.kv_cache_sizing import KVCacheSizer
 from strata.worker.cpu_linear_plan import apply_cpu_linear_plan, plan_cpu_linears
 from strata.worker.model_loader import load_model, resolve_dtype
 from strata.worker.parallel_state import TensorParallel
+from strata.worker.prompt_logprobs import compute_prompt_logprobs, prompt_spans
 from strata.worker.sampler import SamplingMetadata, sample
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,8 @@ class ModelRunner:
         inputs = self.batch.prepare(rows, num_scheduled)
         graph_size = self.graphs.size_for(num_scheduled) if self.graphs is not None else None
         if graph_size is not None:
-            last_hidden = self.graphs.run(inputs, graph_size)  # decode-only: one token per row
+            # Decode-only, one token per row: the last hidden states are all the hidden states.
+            hidden = last_hidden = self.graphs.run(inputs, graph_size)
         else:
             hidden = self.model(
                 self._to_device(inputs.token_ids),
@@ -100,6 +102,8 @@ class ModelRunner:
                 self._attention_metadata(inputs),
             )
             last_hidden = hidden[self._to_device(inputs.query_start_loc[1:] - 1)]
+        spans = prompt_spans(self.batch, inputs)
+        prompt_logprobs = compute_prompt_logprobs(spans, hidden, self.model.compute_logits) if spans else {}
         logits = self.model.compute_logits(last_hidden)
         meta = self._sampling_metadata(inputs)
         if step.structured_rows:
@@ -116,6 +120,7 @@ class ModelRunner:
             sampled_token_ids=pack_tokens(sampled.tolist()),
             logprobs=logprobs,
             kv_connector_output=self._finished_transfers(),
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _finished_transfers(self) -> KVConnectorOutput | None:

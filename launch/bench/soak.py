@@ -33,7 +33,7 @@ BAD_BODIES = (
     {"prompt": "Hello", "top_p": 5},
     {"prompt": ""},
     {"prompt": "Hello", "max_tokens": "5"},
-    {"prompt": "Hello", "echo": True, "logprobs": 1},  # no prompt logprobs to echo
+    {"prompt": "Hello", "prompt_logprobs": 1, "stream": True},  # prompt logprobs are not streamed
     {"prompt": "Hello", "cache_salt": ""},
 )
 

@@ -46,13 +46,14 @@ from strata.launch.server.protocol import (
     FunctionCall,
     FunctionCallDelta,
     GenerationRequest,
+    PromptLogprobsList,
+    PromptTokenLogprob,
     ToolCall,
     ToolCallDelta,
     TopLogprob,
     Usage,
 )
 from strata.launch.output_processor import CompletionDelta
-from strata.launch.outputs import CompletionOutput
 from strata.launch.prompts import encode_chat
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -83,10 +84,10 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
         run = EngineRun(self.engine, self.metrics, job)
         if not job.stream:
             try:
-                choices = await unless_disconnected(request, run.collect())
+                await unless_disconnected(request, run.collect())
             finally:
                 await run.close()
-            return json_response(self.response(job, choices))
+            return json_response(self.response(job, run))
         try:
             await unless_disconnected(request, run.start())
         except BaseException:
@@ -108,21 +109,25 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
     def num_logprobs(self, body: RequestT) -> int | None:
         """SamplingParams.logprobs: None for none, else how many top alternatives."""
 
+    def num_prompt_logprobs(self, body: RequestT) -> int | None:
+        """SamplingParams.prompt_logprobs: vLLM's ``prompt_logprobs`` field."""
+        return body.prompt_logprobs
+
     def opening_chunks(self, job: Job) -> Iterable[BaseModel]:
         return ()
 
     @abstractmethod
-    def chunk(self, job: Job, delta: CompletionDelta, completion: CompletionOutput) -> BaseModel | None:
-        """The stream chunk for one delta (``completion`` is its choice so far), or None if it
-        carries nothing to send."""
+    def chunk(self, job: Job, delta: CompletionDelta, run: EngineRun) -> BaseModel | None:
+        """The stream chunk for one delta (``run.completion(delta.index)`` is its choice so
+        far), or None if it carries nothing to send."""
 
     @abstractmethod
     def usage_chunk(self, job: Job, usage: Usage) -> BaseModel: ...
 
     @abstractmethod
-    def response(self, job: Job, choices: list[CompletionOutput]) -> BaseModel:
-        """The whole response; ``choices`` are in choice order (their own ``index`` is within
-        their prompt)."""
+    def response(self, job: Job, run: EngineRun) -> BaseModel:
+        """The whole response, once ``run`` has collected every choice (``run.completion(i)``
+        is choice ``i``; its own ``index`` is within its prompt)."""
 
     # ---- shared ----
 
@@ -132,6 +137,19 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
 
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
+
+    def rendered_prompt_logprobs(self, job: Job, run: EngineRun, index: int) -> PromptLogprobsList | None:
+        """Choice ``index``'s prompt logprobs in vLLM's shape, if the request asked for them."""
+        entries = run.prompt_logprobs(index)
+        if job.params.prompt_logprobs is None or entries is None:
+            return None
+        return [
+            None if entry is None else {
+                token: PromptTokenLogprob(logprob=value, decoded_token=self.token_text(token))
+                for token, value in entry.items()
+            }
+            for entry in entries
+        ]
 
     def _new_job(
         self, body: RequestT, tenant_salt: str | None, prompts: list[list[int]],
@@ -144,18 +162,20 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
         longest = max(len(prompt) for prompt in prompts)
         max_model_len = self.engine.max_model_len
         room = max_model_len - longest
-        if room < 1:
+        max_tokens = self.max_tokens(body, room)
+        if room < 1 and not (room == 0 and max_tokens == 0):  # max_tokens 0: the prompt alone
             raise APIError(
                 400, f"the prompt has {longest} tokens, which leaves no room to generate within "
                 f"max_model_len ({max_model_len})", param=self.prompt_param,
             )
-        max_tokens = self.max_tokens(body, room)
         if max_tokens > room:
             raise APIError(
                 400, f"the prompt ({longest} tokens) plus max_tokens ({max_tokens}) exceed max_model_len "
                 f"({max_model_len})", param="max_tokens",
             )
         stream = bool(body.stream)
+        if stream and body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs are not available when streaming", param="prompt_logprobs")
         return Job(
             request_id=f"{self.id_prefix}-{uuid.uuid4().hex}",
             created=int(time.time()),
@@ -180,6 +200,7 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
                 **given,
                 max_tokens=max_tokens,
                 logprobs=self.num_logprobs(body),
+                prompt_logprobs=self.num_prompt_logprobs(body),
                 structured_outputs=constraint,
                 logit_bias=logit_bias_of(body),
             )
@@ -194,7 +215,7 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
             for chunk in self.opening_chunks(job):
                 yield sse(chunk)
             async for delta in run.deltas():
-                chunk = self.chunk(job, delta, run.completion(delta.index))
+                chunk = self.chunk(job, delta, run)
                 if chunk is not None:
                     yield sse(chunk)
             if job.include_usage:
@@ -214,11 +235,6 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
         given = _prompts(body.prompt)
         if not given:
             raise APIError(400, "the prompt list is empty", param="prompt")
-        if body.echo and body.logprobs is not None:
-            raise APIError(
-                400, "echo with logprobs is not supported: the engine does not compute the prompt's logprobs",
-                param="echo",
-            )
         prompts = [self.engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt) for prompt in given]
         job = self._new_job(body, tenant_salt, prompts, structured_outputs_of(body))
         if body.echo:
@@ -236,52 +252,86 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
     def num_logprobs(self, body: CompletionRequest) -> int | None:
         return body.logprobs
 
-    def opening_chunks(self, job: Job) -> Iterable[CompletionResponse]:
-        # Echo streams each choice's prompt first, as OpenAI does.
-        for index in range(job.num_choices) if job.echo is not None else ():
-            choice = CompletionChoice(index=index, text=job.echo[index // job.params.n])
-            yield CompletionResponse(**self.envelope(job), choices=[choice])
+    def num_prompt_logprobs(self, body: CompletionRequest) -> int | None:
+        # Echo with logprobs scores the echoed prompt too.
+        wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
+        return max(wanted, default=None)
 
-    def chunk(self, job: Job, delta: CompletionDelta, completion: CompletionOutput) -> CompletionResponse | None:
-        if not (delta.text or delta.logprobs or delta.finish_reason):
+    def chunk(self, job: Job, delta: CompletionDelta, run: EngineRun) -> CompletionResponse | None:
+        completion = run.completion(delta.index)
+        # Echo puts the prompt in the choice's first chunk, with its logprobs, which the
+        # engine has computed by then.
+        first = len(completion.token_ids) == len(delta.token_ids)
+        echoed = job.echo[delta.index // job.params.n] if job.echo is not None else ""
+        echo_now = first and echoed
+        if not (echo_now or delta.text or delta.logprobs or delta.finish_reason):
             return None
         logprobs = None
-        if delta.logprobs is not None:
-            logprobs = self._logprobs(delta.logprobs, text_offset=len(completion.text) - len(delta.text))
+        if job.params.logprobs is not None:
+            token_ids, entries = delta.token_ids, delta.logprobs or []
+            if echo_now:
+                token_ids, entries = self._with_prompt(job, run, delta.index, token_ids, entries)
+            offset = 0 if echo_now else len(echoed) + len(completion.text) - len(delta.text)
+            logprobs = self._logprobs(token_ids, entries, offset, job.params.logprobs)
         choice = CompletionChoice(
-            index=delta.index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason
+            index=delta.index, text=(echoed if echo_now else "") + delta.text, logprobs=logprobs,
+            finish_reason=delta.finish_reason,
         )
         return CompletionResponse(**self.envelope(job), choices=[choice])
 
     def usage_chunk(self, job: Job, usage: Usage) -> CompletionResponse:
         return CompletionResponse(**self.envelope(job), choices=[], usage=usage)
 
-    def response(self, job: Job, choices: list[CompletionOutput]) -> CompletionResponse:
+    def response(self, job: Job, run: EngineRun) -> CompletionResponse:
         rendered = []
+        choices = [run.completion(index) for index in range(job.num_choices)]
         for index, completion in enumerate(choices):
             echoed = "" if job.echo is None else job.echo[index // job.params.n]
+            logprobs = None
+            if completion.logprobs is not None:
+                token_ids, entries = completion.token_ids, completion.logprobs
+                if job.echo is not None:
+                    token_ids, entries = self._with_prompt(job, run, index, token_ids, entries)
+                logprobs = self._logprobs(token_ids, entries, 0, job.params.logprobs)
             rendered.append(
                 CompletionChoice(
                     index=index,
                     text=echoed + completion.text,
-                    logprobs=None if completion.logprobs is None else self._logprobs(completion.logprobs, 0),
+                    logprobs=logprobs,
                     finish_reason=completion.finish_reason,
+                    prompt_logprobs=self.rendered_prompt_logprobs(job, run, index),
                 )
             )
         return CompletionResponse(**self.envelope(job), choices=rendered, usage=job.usage(choices))
 
-    def _logprobs(self, entries: list[dict[int, float]], text_offset: int) -> CompletionLogprobs:
-        """OpenAI's legacy shape: per token its text, logprob, start offset in the completion's
-        text, and a {text: logprob} map of the top alternatives (plus the sampled token)."""
+    @staticmethod
+    def _with_prompt(
+        job: Job, run: EngineRun, index: int, token_ids: list[int], entries: list[dict[int, float]]
+    ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """The choice's tokens and logprob entries with its prompt's before them (echo)."""
+        prompt_entries = run.prompt_logprobs(index)
+        assert prompt_entries is not None, "echo with logprobs asks the engine for prompt logprobs"
+        return job.prompts[index // job.params.n] + token_ids, prompt_entries + entries
+
+    def _logprobs(
+        self, token_ids: list[int], entries: list[dict[int, float] | None], text_offset: int, top: int
+    ) -> CompletionLogprobs:
+        """OpenAI's legacy shape: per token its text, logprob (None for the prompt's first),
+        start offset in the choice's text, and a {text: logprob} map of the token and the
+        ``top`` most likely."""
         logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        for entry in entries:
-            sampled, logprob = next(iter(entry.items()))  # the sampled token comes first
-            token = self.token_text(sampled)
+        for token_id, entry in zip(token_ids, entries):
+            token = self.token_text(token_id)
             logprobs.tokens.append(token)
-            logprobs.token_logprobs.append(logprob)
-            logprobs.top_logprobs.append({self.token_text(t): value for t, value in entry.items()})
             logprobs.text_offset.append(text_offset)
             text_offset += len(token)
+            if entry is None:
+                logprobs.token_logprobs.append(None)
+                logprobs.top_logprobs.append(None)
+                continue
+            logprobs.token_logprobs.append(entry[token_id])
+            best = sorted(entry.items(), key=lambda item: item[1], reverse=True)[:top]
+            logprobs.top_logprobs.append({self.token_text(t): value for t, value in [(token_id, entry[token_id]), *best]})
         return logprobs
 
 
@@ -311,7 +361,7 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
         for value in (body.max_completion_tokens, body.max_tokens):
             if value is not None:
                 return value
-        return room
+        return max(room, 1)  # a full context leaves no room, rather than asking for nothing
 
     def num_logprobs(self, body: ChatCompletionRequest) -> int | None:
         if body.logprobs:
@@ -326,7 +376,7 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
             choice = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
             yield ChatCompletionChunk(**self.envelope(job), choices=[choice])
 
-    def chunk(self, job: Job, delta: CompletionDelta, completion: CompletionOutput) -> ChatCompletionChunk | None:
+    def chunk(self, job: Job, delta: CompletionDelta, run: EngineRun) -> ChatCompletionChunk | None:
         parser = self._parser(job, delta.index)
         parsed = ParsedDelta(content=delta.text) if parser is None else parser.feed(delta.text)
         if parser is not None and delta.finish_reason is not None:
@@ -354,9 +404,10 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
     def usage_chunk(self, job: Job, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(**self.envelope(job), choices=[], usage=usage)
 
-    def response(self, job: Job, choices: list[CompletionOutput]) -> ChatCompletionResponse:
+    def response(self, job: Job, run: EngineRun) -> ChatCompletionResponse:
         top = job.params.logprobs
         rendered = []
+        choices = [run.completion(index) for index in range(job.num_choices)]
         for completion in choices:
             parser = None if job.tools is None else job.tools.parser()
             message = AssistantMessage(content=completion.text)
@@ -380,7 +431,10 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
                     finish_reason=_finish_reason(completion.finish_reason, parser),
                 )
             )
-        return ChatCompletionResponse(**self.envelope(job), choices=rendered, usage=job.usage(choices))
+        return ChatCompletionResponse(
+            **self.envelope(job), choices=rendered, usage=job.usage(choices),
+            prompt_logprobs=self.rendered_prompt_logprobs(job, run, 0),
+        )
 
     def _parser(self, job: Job, index: int) -> ToolCallParser | None:
         if job.tools is None:

@@ -80,6 +80,8 @@ class GenerationRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: the logprob of every prompt token after the first, with this many alternatives.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -209,12 +211,24 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions shape: parallel lists, one entry per generated token."""
+    """The legacy completions shape: parallel lists, one entry per token (with ``echo``, the
+    prompt's first, whose first token has no logprob: ``None``)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptTokenLogprob(BaseModel):
+    """One token's entry in vLLM's ``prompt_logprobs``."""
+
+    logprob: float
+    decoded_token: str
+
+
+# vLLM's shape: per prompt token, {token id: entry} for it and its top alternatives; None first.
+PromptLogprobsList = list[dict[int, PromptTokenLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -222,6 +236,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -273,6 +288,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class FunctionCallDelta(BaseModel):

@@ -100,9 +100,16 @@ class EngineRun:
         return [self.completion(index) for index in range(self._job.num_choices)]
 
     def completion(self, index: int) -> CompletionOutput:
+        return self._output(index).outputs[index % self._job.params.n]
+
+    def prompt_logprobs(self, index: int) -> list[dict[int, float] | None] | None:
+        """The logprobs of choice ``index``'s prompt (complete once the choice has a delta)."""
+        return self._output(index).prompt_logprobs
+
+    def _output(self, index: int) -> RequestOutput:
         output = self._outputs[index // self._job.params.n]
         assert output is not None  # a request yields at least its finishing delta
-        return output.outputs[index % self._job.params.n]
+        return output
 
     def usage(self) -> Usage:
         return self._job.usage([self.completion(index) for index in range(self._job.num_choices)])

@@ -7,7 +7,7 @@ from strata.engine_core.sampling_params import SamplingParams
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("max_tokens", 0),
+        ("max_tokens", -1),
         ("temperature", -0.1),
         ("top_p", 0.0),
         ("top_p", 1.5),
@@ -17,6 +17,7 @@ from strata.engine_core.sampling_params import SamplingParams
         ("min_p", 1.01),
         ("n", 0),
         ("logprobs", -1),
+        ("prompt_logprobs", -1),
         ("presence_penalty", 2.5),
         ("repetition_penalty", 0.0),
         ("max_tokens", "16"),

@@ -30,3 +30,17 @@ def test_tiny_model_tp2_equals_tp1(num_kv_heads, tmp_path, default_model_path):
     prompts = random_prompts([9, 30, 50], vocab_size=97)
     single = greedy_tokens(str(tmp_path), prompts, executor="uni")
     assert greedy_tokens(str(tmp_path), prompts, executor="mp", tensor_parallel_size=2) == single
+
+
+def test_default_model_tp2_prompt_logprobs_equal_tp1():
+    params = SamplingParams(max_tokens=0, prompt_logprobs=2)
+
+    def prompt_logprobs(**engine_args) -> list[list]:
+        with LLM(dtype="float32", **engine_args) as llm:
+            return [o.prompt_logprobs for o in llm.generate(PROMPTS_TEXT, params, use_tqdm=False)]
+
+    single = prompt_logprobs(executor="uni")
+    for sharded, alone in zip(prompt_logprobs(executor="mp", tensor_parallel_size=2), single):
+        assert sharded[0] is None and len(sharded) == len(alone)
+        for entry, expected in zip(sharded[1:], alone[1:]):
+            assert entry == pytest.approx(expected, abs=1e-3)

@@ -146,11 +146,6 @@ def test_echo_of_token_ids_is_their_text(client, model):
     assert response.choices[0].text.startswith(AutoTokenizer.from_pretrained(resolve_model_path(None)).decode([504, 3458]))
 
 
-def test_echo_with_logprobs_is_refused(client, model):
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs is not supported"):
-        client.completions.create(model=model, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
-
-
 def test_max_completion_tokens_bounds_a_chat_reply(client, model):
     response = client.chat.completions.create(
         model=model, messages=CHAT, max_completion_tokens=3, extra_body={"ignore_eos": True}
