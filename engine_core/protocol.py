@@ -116,10 +116,18 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     offload_cpu_usage: float = 0.0
     grammar_mask_seconds: float = 0.0  # filling grammar masks, since start (set by the EngineCore)
     grammar_mask_steps: int = 0  # steps with constrained rows, since start
+    # Speculative decoding, since start: draft tokens verified, accepted, and the verifications
+    # (one per request per step with drafts); ``spec_accepted_by_position[j]``: drafts accepted
+    # at position j of their step (all before it were accepted too).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
+    spec_accepted_by_position: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="out"):
-    """One step's results, as columns: ``new_token_ids[i]`` belongs to ``request_ids[i]``.
+    """One step's results, as columns: ``new_token_ids[i]`` belongs to ``request_ids[i]`` (a
+    request that verified drafts appears once per token, in order).
     ``logprobs`` maps a request id to its new token's logprobs when it asked for them;
     ``prompt_logprobs`` to the prompt positions this step computed, in order across steps."""
 
@@ -152,11 +160,14 @@ class NewRequestData(msgspec.Struct, array_like=True):
 class CachedRequestData(msgspec.Struct, array_like=True):
     """Requests already in the batch. ``handles`` is packed uint16 in batch order; each is
     scheduled one token unless ``num_tokens`` says otherwise; ``new_block_ids`` lists the
-    blocks appended to a request's table this step."""
+    blocks appended to a request's table this step. ``draft_token_ids``: packed int32 drafts
+    (speculative decoding) placed after a request's last token; its scheduled tokens are that
+    token and its drafts."""
 
     handles: bytes = b""
     num_tokens: dict[int, int] = {}
     new_block_ids: dict[int, list[int]] = {}
+    draft_token_ids: dict[int, bytes] = {}
 
 
 class BlockTransfer(msgspec.Struct, array_like=True):
@@ -218,6 +229,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag="out"):
     logprobs: dict[int, TokenLogprobs] = {}
     kv_connector_output: KVConnectorOutput | None = None
     prompt_logprobs: dict[int, PromptLogprobs] = {}
+    # Rows that verified drafts: every token their step produced (the accepted drafts, then the
+    # model's own), packed int32; ``sampled_token_ids`` holds the first of them too.
+    verified_token_ids: dict[int, bytes] = {}
 
 
 # ---- process control ----------------------------------------------------------------------

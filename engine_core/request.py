@@ -65,6 +65,8 @@ class Request:
     error: str | None = None
     stop_token_id: int | None = None
     num_prompt_logprobs_sent: int = 0  # prompt positions (from 1) whose logprobs went out
+    speculate: bool = False  # set at admission: drafts may be proposed for it
+    num_drafts: int = 0  # drafts scheduled in the current step
 
     @property
     def needs_prompt_logprobs(self) -> bool:

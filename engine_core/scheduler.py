@@ -11,7 +11,7 @@ request that outranks the last running one and does not fit preempts it too.
 import heapq
 from collections.abc import Callable
 from bisect import insort
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -19,6 +19,7 @@ from strata.engine_core.block_pool import KVCacheBlock
 from strata.engine_core.kv_cache_manager import KVCacheManager
 from strata.engine_core.kv_connector import SchedulerConnector
 from strata.engine_core.kv_events import KVEvent
+from strata.engine_core.ngram_proposer import NgramProposer, SpeculativeConfig
 from strata.engine_core.protocol import (
     EngineCoreOutputs,
     FinishedRequest,
@@ -29,9 +30,11 @@ from strata.engine_core.protocol import (
     SchedulerStats,
     TokenLogprobs,
     pack_handles,
+    pack_tokens,
     unpack_tokens,
 )
 from strata.engine_core.request import FINISH_REASONS, Request, RequestStatus
+from strata.engine_core.sampling_params import SamplingParams
 
 MAX_HANDLES = 1 << 16
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -42,7 +45,8 @@ BOOSTED = float("-inf")
 @dataclass
 class SchedulerConfig:
     """Step budgets and policies. ``starvation_steps``: a waiting request at the head of the
-    queue that has been passed over for this many steps while others ran may preempt one."""
+    queue that has been passed over for this many steps while others ran may preempt one.
+    ``speculative``: how decoding requests get drafts to verify (off by default)."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -51,6 +55,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     enable_prefix_caching: bool = True
     starvation_steps: int | None = 1000
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
@@ -98,6 +103,8 @@ class Scheduler:
         self._loaded: set[str] = set()
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0
+        self.proposer = NgramProposer(config.speculative) if config.speculative.method is not None else None
+        self.spec = SpecDecodeStats(config.speculative.num_speculative_tokens)
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -113,6 +120,7 @@ class Scheduler:
             frozenset() if params.ignore_eos or request.eos_token_id is None else {request.eos_token_id}
         )
         request.max_num_tokens = min(request.num_prompt_tokens + params.max_tokens, self.config.max_model_len)
+        request.speculate = self.proposer is not None and _verifiable(params)
         self._arrivals += 1
         if self.config.policy == "priority":
             request.queue_key = (request.priority, request.arrival_time, self._arrivals)
@@ -216,6 +224,10 @@ class Scheduler:
                 break
             computed = request.num_computed_tokens
             num_new = len(request.all_token_ids) - computed
+            drafts = None
+            if num_new == 1 and request.speculate and budget > 1:
+                drafts = self._propose(request, budget - 1)
+                num_new += len(drafts)
             if num_new > budget:
                 num_new = budget
             if computed + num_new > request.kv_fast_limit:
@@ -227,7 +239,10 @@ class Scheduler:
                     new_block_ids[request.handle] = [block.block_id for block in new_blocks]
             if num_new != 1:
                 multi_token[request.handle] = num_new
-                if computed < request.num_prompt_tokens:
+                if drafts:
+                    output.cached.draft_token_ids[request.handle] = pack_tokens(drafts)
+                    request.num_drafts = len(drafts)
+                elif computed < request.num_prompt_tokens:
                     self.prompt_tokens_computed += min(num_new, request.num_prompt_tokens - computed)
             request.num_computed_tokens = computed + num_new
             add_handle(request.handle)
@@ -237,6 +252,12 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == RUNNING]
         output.cached.handles = pack_handles(handles)
         return scheduled, start_budget - budget
+
+    def _propose(self, request: Request, room: int) -> list[int]:
+        """Drafts for a decoding request: at most ``room`` (the budget left after its token),
+        none that would run past its length limit."""
+        assert self.proposer is not None
+        return self.proposer.propose(request, min(room, request.max_num_tokens - len(request.all_token_ids) - 1))
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, output: SchedulerOutput
@@ -462,25 +483,24 @@ class Scheduler:
         logprobs: dict[str, TokenLogprobs] = {}
         # Before the tokens: a request that finishes this step still gets its last prompt logprobs.
         prompt_logprobs = self._new_prompt_logprobs(scheduled, runner_output) if runner_output.prompt_logprobs else {}
+        verified = (
+            {scheduled[row].request_id: unpack_tokens(ids) for row, ids in runner_output.verified_token_ids.items()}
+            if runner_output.verified_token_ids else {}
+        )
         any_finished = False
         for request, token in zip(scheduled, tokens):
+            if request.num_drafts:
+                any_finished |= self._accept_verified(request, verified[request.request_id], request_ids, new_token_ids)
+                continue
             if request.num_computed_tokens < len(request.all_token_ids) or request.status != RUNNING:
                 continue  # a prefill chunk that does not end the prompt, or aborted meanwhile
             if not request.output_token_ids and request.sampling_params.max_tokens == 0:
                 self._finish(request, RequestStatus.LENGTH)  # its prompt computed: all it asked
                 any_finished = True
                 continue
-            request.output_token_ids.append(token)
-            request.all_token_ids.append(token)
             request_ids.append(request.request_id)
             new_token_ids.append(token)
-            if token in request.stop_ids and len(request.output_token_ids) >= request.sampling_params.min_tokens:
-                request.stop_token_id = token
-                self._finish(request, RequestStatus.STOPPED)
-                any_finished = True
-            elif len(request.all_token_ids) >= request.max_num_tokens:
-                self._finish(request, RequestStatus.LENGTH)
-                any_finished = True
+            any_finished |= self._append_token(request, token)
         for row, row_logprobs in runner_output.logprobs.items():
             logprobs[scheduled[row].request_id] = row_logprobs
         if any_finished:
@@ -490,6 +510,40 @@ class Scheduler:
         return EngineCoreOutputs(
             request_ids, new_token_ids, logprobs, self.take_finished(), self.stats(), prompt_logprobs
         )
+
+    def _append_token(self, request: Request, token: int) -> bool:
+        """Add a generated token and apply the stop rules to it; True if the request finished."""
+        request.output_token_ids.append(token)
+        request.all_token_ids.append(token)
+        if token in request.stop_ids and len(request.output_token_ids) >= request.sampling_params.min_tokens:
+            request.stop_token_id = token
+            self._finish(request, RequestStatus.STOPPED)
+            return True
+        if len(request.all_token_ids) >= request.max_num_tokens:
+            self._finish(request, RequestStatus.LENGTH)
+            return True
+        return False
+
+    def _accept_verified(
+        self, request: Request, produced: list[int], request_ids: list[str], new_token_ids: list[int]
+    ) -> bool:
+        """Take a verified step's tokens (the accepted drafts, then the model's own) one by one
+        until one stops the request; the rejected drafts' KV slots are given back. True if
+        the request finished."""
+        num_drafts, request.num_drafts = request.num_drafts, 0
+        if request.status != RUNNING:
+            return False  # aborted meanwhile
+        num_accepted = len(produced) - 1
+        self.spec.record(num_drafts, num_accepted)
+        # Computed: every position but the newest token's; the rejected drafts' KV is garbage.
+        request.num_computed_tokens -= num_drafts - num_accepted
+        for token in produced:
+            request_ids.append(request.request_id)
+            new_token_ids.append(token)
+            if self._append_token(request, token):
+                return True
+        self.kv.free_tail(request, len(request.all_token_ids))
+        return False
 
     @staticmethod
     def _new_prompt_logprobs(scheduled: list[Request], runner_output: ModelRunnerOutput) -> dict[str, PromptLogprobs]:
@@ -524,6 +578,8 @@ class Scheduler:
         request.error = message
         del self.requests[request.request_id]
         self._loaded.discard(request.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         if request.handle >= 0:
             self._released_handles.append(request.handle)
             request.handle = -1
@@ -555,6 +611,10 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prompt_tokens_computed=self.prompt_tokens_computed,
             **self.connector.scheduler_stats(),
+            spec_draft_tokens=self.spec.draft_tokens,
+            spec_accepted_tokens=self.spec.accepted_tokens,
+            spec_verifications=self.spec.verifications,
+            spec_accepted_by_position=list(self.spec.accepted_by_position),
         )
 
     def check_invariants(self) -> None:
@@ -571,6 +631,41 @@ class Scheduler:
             raise AssertionError("more running requests than max_num_seqs")
         if self.num_waiting != sum(1 for _, r in self._waiting if not r.finished):
             raise AssertionError("num_waiting does not match the waiting queue")
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counts since start (``SchedulerStats`` carries them out)."""
+
+    num_speculative_tokens: int
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verifications: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_by_position = [0] * self.num_speculative_tokens
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        self.verifications += 1
+        for position in range(num_accepted):
+            self.accepted_by_position[position] += 1
+
+
+def _verifiable(params: SamplingParams) -> bool:
+    """Whether drafts can be verified for a request: the workers check each draft position
+    with the request's own sampling (temperature, top-k/p, min-p, logit bias, min_tokens);
+    penalties, logprobs and grammars, which depend on the tokens before each position, are not
+    applied per draft position yet, so such requests decode one token per step."""
+    return (
+        params.logprobs is None
+        and params.structured_outputs is None
+        and params.presence_penalty == 0
+        and params.frequency_penalty == 0
+        and params.repetition_penalty == 1
+    )
 
 
 def _queue_key(request: Request) -> tuple:

@@ -150,8 +150,11 @@ class OutputProcessor:
                 completion.logprobs.extend(logprobs)
             text = state.detokenizer.append(token)
             completion.text += text
-            delta = CompletionDelta(state.output.request_id, completion.index, text, [token], logprobs, None)
-            deltas[request_id] = delta
+            delta = deltas.get(request_id)
+            if delta is None:  # its first token this step (verified drafts bring several)
+                delta = deltas[request_id] = CompletionDelta(state.output.request_id, completion.index, "", [], logprobs, None)
+            delta.text += text
+            delta.token_ids.append(token)
             if state.detokenizer.stop_reason is not None:
                 self._finish(request_id, delta, "stop", state.detokenizer.stop_reason)
                 to_abort.append(request_id)

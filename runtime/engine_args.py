@@ -17,6 +17,7 @@ from typing import Any, TypeVar, get_args
 
 from strata.connector.policies import EVICTION_POLICIES
 from strata.engine_core.kv_connector import SchedulerConnector
+from strata.engine_core.ngram_proposer import SPECULATIVE_METHODS, SpeculativeConfig
 from strata.engine_core.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from strata.runtime.executors.ray_config import RAY_PLACEMENT_STRATEGIES, RayConfig
 from strata.worker.config import ATTENTION_BACKENDS, CPU_BF16_LINEAR_MODES, DTYPES, LOAD_FORMATS, WorkerConfig
@@ -108,6 +109,12 @@ class EngineArgs:
     )
     enable_prefix_caching: bool = flag(True)
     scheduling_policy: str = flag("fcfs", choices=SCHEDULING_POLICIES)
+    speculative_method: str | None = flag(
+        None, "ngram: draft tokens by prompt lookup, verified in one forward (off by default)", choices=SPECULATIVE_METHODS
+    )
+    num_speculative_tokens: int = flag(3, "most drafts a request verifies per step", rule=at_least(1))
+    ngram_min: int = flag(1, "ngram: shortest suffix matched", rule=at_least(1))
+    ngram_max: int = flag(4, "ngram: longest suffix matched, tried first", rule=at_least(1))
     attention_backend: str | None = flag(None, choices=ATTENTION_BACKENDS)
     worker_timeout_s: float = flag(60.0, "a worker silent this long is declared hung")
     kv_offload_cpu_bytes: int | None = flag(None, "CPU KV tier size, total over TP ranks (off by default)")
@@ -153,6 +160,10 @@ class EngineArgs:
             )
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        self.speculative_config()  # raises if the speculative flags disagree
+
+    def speculative_config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.ngram_min, self.ngram_max)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -242,6 +253,7 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
         block_size=args.block_size,
         policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
+        speculative=args.speculative_config(),
     )
     engine_fields = dataclasses.asdict(args)
     same_named = {name: engine_fields[name] for name in WorkerConfig.__struct_fields__ if name in engine_fields}

@@ -49,14 +49,23 @@ class FakeRunner:
                        new.sampling_params.prompt_logprobs is not None)
             self.rows[new.handle] = row
             batch.append((row, new.num_scheduled_tokens))
+        drafts: dict[int, list[int]] = {}  # batch index -> drafts to verify
         for handle in unpack_handles(out.cached.handles):
             row = self.rows[handle]
             row.block_ids += out.cached.new_block_ids.get(handle, [])
+            if handle in out.cached.draft_token_ids:
+                drafts[len(batch)] = list(unpack_tokens(out.cached.draft_token_ids[handle]))
             batch.append((row, out.cached.num_tokens.get(handle, 1)))
         assert sum(n for _, n in batch) == out.total_num_scheduled_tokens
         sampled = []
         prompt_logprobs = {}
+        verified = {}
         for index, (row, num_tokens) in enumerate(batch):
+            if index in drafts:
+                produced = self._verify(row, num_tokens, drafts[index])
+                sampled.append(produced[0])
+                verified[index] = pack_tokens(produced)
+                continue
             if row.wants_prompt_logprobs:
                 scored = range(row.num_computed + 1, min(row.num_computed + num_tokens, row.num_prompt - 1) + 1)
                 if scored:
@@ -71,7 +80,26 @@ class FakeRunner:
             sampled.append(token)
             if row.num_computed == len(row.token_ids):
                 row.token_ids.append(token)
-        return ModelRunnerOutput(step=out.step, sampled_token_ids=pack_tokens(sampled), prompt_logprobs=prompt_logprobs)
+        return ModelRunnerOutput(
+            step=out.step, sampled_token_ids=pack_tokens(sampled), prompt_logprobs=prompt_logprobs,
+            verified_token_ids=verified,
+        )
+
+    def _verify(self, row: Row, num_tokens: int, drafts: list[int]) -> list[int]:
+        """What a real worker does with drafts: the model's token at each draft position,
+        kept while it equals the draft, then the model's own token."""
+        assert num_tokens == 1 + len(drafts), "a verified row is scheduled its last token and its drafts"
+        assert row.num_computed == len(row.token_ids) - 1, "drafts only follow a decoding request's last token"
+        assert len(row.block_ids) * self.block_size >= row.num_computed + num_tokens, "no slots for the drafts"
+        produced = []
+        for draft in [*drafts, None]:
+            token = self._sample(row)
+            produced.append(token)
+            row.token_ids.append(token)
+            if token != draft:
+                break
+        row.num_computed = len(row.token_ids) - 1
+        return produced
 
     def _sample(self, row: Row) -> int:
         script = self.forced_tokens.get(row.request_id)

@@ -113,6 +113,20 @@ class InputBatch:
             block_tables=self.block_table[rows, :max_blocks],
         )
 
+    def place_drafts(self, row: int, drafts: np.ndarray) -> None:
+        """Put drafts after the row's last token, as this step's inputs; ``accept`` keeps the
+        ones the step verified."""
+        start = self.num_tokens[row]
+        self.token_ids[row, start : start + len(drafts)] = drafts
+
+    def accept(self, row: int, produced: list[int]) -> None:
+        """A row that verified drafts: its last token and the accepted drafts are now
+        computed, and every token the step produced is appended."""
+        start = self.num_tokens[row]
+        self.token_ids[row, start : start + len(produced)] = produced
+        self.num_tokens[row] = start + len(produced)
+        self.num_computed[row] = start + len(produced) - 1
+
     def advance(self, rows: np.ndarray, num_scheduled: np.ndarray, sampled: np.ndarray) -> np.ndarray:
         """Count the step's tokens as computed and append the sampled token to every row
         whose prompt (or last token) is now fully computed. Returns that row mask."""

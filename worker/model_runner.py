@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 
 from strata.connector.offloading_worker import OffloadingConnectorWorker
-from strata.engine_core.protocol import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput, pack_tokens
+from strata.engine_core.protocol import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput, pack_tokens, unpack_tokens
 from strata.worker.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from strata.worker.config import WorkerConfig
 from strata.worker.cpu_memory import check_kv_cache_fits, keep_freed_memory, zeroed_cpu_tensor
 from strata.worker.cuda_graphs import CudaGraphRunner, graph_batch_sizes
+from strata.worker.draft_verification import DraftLayout
 from strata.worker.input_batch import InputBatch, StepInputs, to_device
 from strata.worker.kv_cache_sizing import KVCacheSizer
 from strata.worker.cpu_linear_plan import apply_cpu_linear_plan, plan_cpu_linears
@@ -79,7 +80,7 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput, grammar_bitmask: Callable[[], bytes] | None = None) -> ModelRunnerOutput:
         """Run the step; ``grammar_bitmask`` gives the masks of ``step.structured_rows``, asked
         for only once the logits are computed (the EngineCore fills them meanwhile)."""
-        rows, num_scheduled = self._update_batch(step)
+        rows, num_scheduled, drafts = self._update_batch(step)
         if self.offload is not None:
             self.offload.start_transfers(step.kv_connector_metadata)
         if len(rows) == 0:
@@ -104,16 +105,31 @@ class ModelRunner:
             last_hidden = hidden[self._to_device(inputs.query_start_loc[1:] - 1)]
         spans = prompt_spans(self.batch, inputs)
         prompt_logprobs = compute_prompt_logprobs(spans, hidden, self.model.compute_logits) if spans else {}
+        layout = None
+        if drafts:
+            num_drafts = np.zeros(len(rows), dtype=np.int64)
+            num_drafts[list(drafts)] = [len(row_drafts) for row_drafts in drafts.values()]
+            layout = DraftLayout.build(inputs.query_start_loc, num_drafts)
+            last_hidden = hidden[self._to_device(layout.hidden_index)]  # every position to sample
         logits = self.model.compute_logits(last_hidden)
-        meta = self._sampling_metadata(inputs)
+        meta = self._sampling_metadata(inputs, layout)
         if step.structured_rows:
             assert grammar_bitmask is not None, "a step with structured rows needs their bitmask"
-            meta.grammar_rows = self._to_device(np.frombuffer(step.structured_rows, dtype=np.uint16).astype(np.int64))
+            structured = np.frombuffer(step.structured_rows, dtype=np.uint16).astype(np.int64)
+            meta.grammar_rows = self._to_device(structured if layout is None else layout.starts[structured])
             words = np.frombuffer(grammar_bitmask(), dtype=np.int32).reshape(len(meta.grammar_rows), -1).copy()
             meta.grammar_bitmask = self._to_device(words)
         tokens, logprobs = sample(logits, meta)
         sampled = tokens.cpu().numpy()
+        produced: dict[int, list[int]] = {}
+        if layout is not None:
+            produced = layout.verify(sampled, drafts)
+            # Rows with logprobs never have drafts: each is its batch row's only logits row.
+            logprobs = {int(layout.batch_index[row]): value for row, value in logprobs.items()}
+            sampled = sampled[layout.starts]
         self.batch.advance(rows, num_scheduled, sampled)
+        for index, row_tokens in produced.items():
+            self.batch.accept(int(rows[index]), row_tokens)
         return ModelRunnerOutput(
             step=step.step,
             rank=self.tp.rank,
@@ -121,6 +137,7 @@ class ModelRunner:
             logprobs=logprobs,
             kv_connector_output=self._finished_transfers(),
             prompt_logprobs=prompt_logprobs,
+            verified_token_ids={index: pack_tokens(row_tokens) for index, row_tokens in produced.items()},
         )
 
     def _finished_transfers(self) -> KVConnectorOutput | None:
@@ -130,8 +147,9 @@ class ModelRunner:
         if self.offload is not None:
             self.offload.shutdown()
 
-    def _update_batch(self, step: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:
-        """Apply the step's diff; return the scheduled rows and their token counts, in batch order."""
+    def _update_batch(self, step: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+        """Apply the step's diff; return the scheduled rows and their token counts, in batch
+        order, and the drafts to verify by batch position."""
         for handle in step.finished_handles + step.preempted_handles:
             self.batch.remove(handle)
         for new in step.new_requests:
@@ -142,12 +160,16 @@ class ModelRunner:
         rows = np.concatenate(([new.handle for new in step.new_requests], cached)).astype(np.int64)
         num_scheduled = np.ones(len(rows), dtype=np.int64)
         num_scheduled[: len(step.new_requests)] = [new.num_scheduled_tokens for new in step.new_requests]
+        drafts: dict[int, np.ndarray] = {}
         if step.cached.num_tokens:
             position = {handle: i for i, handle in enumerate(cached.tolist())}
             offset = len(step.new_requests)
             for handle, count in step.cached.num_tokens.items():
                 num_scheduled[offset + position[handle]] = count
-        return rows, num_scheduled
+            for handle, packed in step.cached.draft_token_ids.items():
+                drafts[offset + position[handle]] = row_drafts = np.asarray(unpack_tokens(packed), dtype=np.int64)
+                self.batch.place_drafts(handle, row_drafts)
+        return rows, num_scheduled, drafts
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
@@ -162,14 +184,19 @@ class ModelRunner:
             max_seq_len=int(inputs.seq_lens.max()),
         )
 
-    def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
+    def _sampling_metadata(self, inputs: StepInputs, layout: DraftLayout | None) -> SamplingMetadata:
+        """One row per logits row: a batch row's, or with drafts one per position it samples."""
         batch, rows = self.batch, inputs.rows
+        ends_its_tokens = batch.num_computed[rows] + inputs.num_scheduled == batch.num_tokens[rows]
+        num_output = batch.num_tokens[rows] - batch.num_prompt[rows]
+        if layout is not None:
+            rows, ends_its_tokens = rows[layout.batch_index], ends_its_tokens[layout.batch_index]
+            num_output = num_output[layout.batch_index] + layout.offsets
         vocab = self.model.vocab_size
         temperature = batch.temperature[rows]
         top_k = batch.top_k[rows]
         top_p = batch.top_p[rows]
         min_p = batch.min_p[rows]
-        num_output = batch.num_tokens[rows] - batch.num_prompt[rows]
         meta = SamplingMetadata(
             temperature=self._to_device(temperature),
             top_k=self._to_device(np.where(top_k > 0, np.minimum(top_k, vocab), vocab)),
@@ -192,7 +219,6 @@ class ModelRunner:
         ]
         meta.banned_tokens = banned or None
         # A partial prefill chunk's sampled token is thrown away, and so would its logprobs be.
-        ends_its_tokens = batch.num_computed[rows] + inputs.num_scheduled == batch.num_tokens[rows]
         wanted = [
             (i, min(int(batch.num_logprobs[row]), vocab))
             for i, row in enumerate(rows.tolist())

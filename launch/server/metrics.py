@@ -127,6 +127,24 @@ class _SchedulerStatsCollector(Collector):
             counter, "strata_grammar_mask_steps", "Steps that filled grammar masks (steps with constrained rows).",
             lambda s: s.grammar_mask_steps,
         )
+        yield family(
+            counter, "strata_spec_decode_draft_tokens", "Draft tokens verified (speculative decoding).",
+            _field("spec_draft_tokens"),
+        )
+        yield family(
+            counter, "strata_spec_decode_accepted_tokens", "Draft tokens accepted.", _field("spec_accepted_tokens")
+        )
+        yield family(
+            counter, "strata_spec_decode_verifications", "Request steps that verified drafts.", _field("spec_verifications")
+        )
+        by_position = CounterMetricFamily(
+            "strata_spec_decode_accepted_tokens_per_position", "Drafts accepted at each position of their step.",
+            labels=["replica", "position"],
+        )
+        for replica, stats in replicas:
+            for position, accepted in enumerate(stats.spec_accepted_by_position):
+                by_position.add_metric([str(replica), str(position)], accepted)
+        yield by_position
 
 
 def _field(name: str) -> Callable[[SchedulerStats], float]:

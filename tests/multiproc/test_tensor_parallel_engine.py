@@ -44,3 +44,12 @@ def test_default_model_tp2_prompt_logprobs_equal_tp1():
         assert sharded[0] is None and len(sharded) == len(alone)
         for entry, expected in zip(sharded[1:], alone[1:]):
             assert entry == pytest.approx(expected, abs=1e-3)
+
+
+def test_default_model_tp2_with_ngram_drafts_equals_tp1_without():
+    prompts = PROMPTS_TEXT + ["Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,"]
+    single = greedy_tokens(None, prompts, executor="uni")
+    drafted = greedy_tokens(
+        None, prompts, executor="mp", tensor_parallel_size=2, speculative_method="ngram", num_speculative_tokens=4
+    )
+    assert drafted == single

@@ -1,0 +1,83 @@
+"""Speculative decoding with n-gram drafts against the same engine without: token for token
+equal (greedy, and seeded sampling, whose draws are keyed by output position), stop strings
+cut at the same place, the CPU offload tier on, and drafts really accepted."""
+
+import pytest
+
+from strata import LLM, SamplingParams
+
+from model_factory import save_tiny_model, tiny_llama_config
+
+DOCUMENT = (
+    "The scheduler gives each request a number of tokens per step. Running requests go first, "
+    "then waiting ones. When blocks run out, the last running request is preempted. "
+)
+PROMPTS = [
+    f"Copy this text exactly.\n\n{DOCUMENT * 2}\nCopy:\n",
+    "List the numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "Write a short poem about the sea.",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=48)
+NGRAM = {"speculative_method": "ngram", "num_speculative_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def plain():
+    with LLM(executor="uni", dtype="float32") as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def speculative():
+    with LLM(executor="uni", dtype="float32", **NGRAM) as engine:
+        yield engine
+
+
+def token_ids(llm: LLM, prompts, params: SamplingParams) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_greedy_tokens_equal_decoding_without_drafts(plain, speculative):
+    assert token_ids(speculative, PROMPTS, GREEDY) == token_ids(plain, PROMPTS, GREEDY)
+    stats = speculative.stats
+    assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens >= stats.spec_accepted_tokens
+    assert sum(stats.spec_accepted_by_position) == stats.spec_accepted_tokens
+
+
+def test_seeded_sampling_draws_the_same_tokens_as_without_drafts(plain, speculative):
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=seed, max_tokens=32) for seed in (1, 2, 3)]
+    assert token_ids(speculative, PROMPTS, params) == token_ids(plain, PROMPTS, params)
+
+
+def test_a_stop_string_cuts_the_text_where_it_does_without_drafts(plain, speculative):
+    free = plain.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = free[20:26]
+    assert stop.strip(), "pick a stop string that is really in the text"
+    params = SamplingParams(temperature=0, max_tokens=48, stop=[stop])
+    cut = speculative.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+    assert (cut.text, cut.finish_reason) == (free[: free.index(stop)], "stop")
+
+
+def test_max_tokens_and_eos_are_never_passed(plain, speculative):
+    for max_tokens in (1, 2, 5, 7):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        assert token_ids(speculative, PROMPTS[:2], params) == token_ids(plain, PROMPTS[:2], params)
+
+
+def test_tiny_random_model_with_drafts_equals_without(tmp_path, default_model_path):
+    from transformers import AutoTokenizer
+
+    save_tiny_model(tiny_llama_config(vocab_size=49152), tmp_path)
+    AutoTokenizer.from_pretrained(default_model_path).save_pretrained(tmp_path)
+    prompts = [[5, 6, 7, 8] * 6, [100, 200, 300] * 5, list(range(40, 70))]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(str(tmp_path), executor="uni", dtype="float32") as llm:
+        expected = token_ids(llm, prompts, params)
+    with LLM(str(tmp_path), executor="uni", dtype="float32", **NGRAM) as llm:
+        assert token_ids(llm, prompts, params) == expected
+        assert llm.stats.spec_verifications > 0
+
+
+def test_drafts_with_the_cpu_offload_tier_on_equal_decoding_without(plain):
+    with LLM(executor="uni", dtype="float32", kv_offload_cpu_bytes=64 << 20, **NGRAM) as llm:
+        assert token_ids(llm, PROMPTS, GREEDY) == token_ids(plain, PROMPTS, GREEDY)
