@@ -18,6 +18,7 @@ MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_TOOLS = 128  # OpenAI's limit on tools per request
 MAX_PROMPTS = 128  # prompts in one /v1/completions request
+MAX_METADATA = 16  # OpenAI's limit on metadata pairs
 
 # Token ids travel as int32 to the engine; the engine checks them against the vocabulary.
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -171,7 +172,16 @@ class ChatPrompt(StrictModel):
     parallel_tool_calls: bool | None = None
 
 
-class ChatCompletionRequest(ChatPrompt, GenerationRequest):
+class PlatformFields(StrictModel):
+    """OpenAI platform bookkeeping, accepted and ignored: it changes nothing in the answer.
+    Nothing is stored (``store``), tagged (``metadata``) or tiered (``service_tier``)."""
+
+    store: bool | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=MAX_METADATA)] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+
+
+class ChatCompletionRequest(ChatPrompt, GenerationRequest, PlatformFields):
     """``POST /v1/chat/completions``."""
 
     logprobs: bool | None = None

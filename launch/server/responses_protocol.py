@@ -11,9 +11,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from strata.launch.server.protocol import MAX_TOOLS, FunctionDefinition, NamedFunction, SamplingFields, StrictModel
-
-MAX_METADATA = 16  # OpenAI's limit on metadata pairs
+from strata.launch.server.protocol import (
+    MAX_TOOLS,
+    FunctionDefinition,
+    NamedFunction,
+    PlatformFields,
+    SamplingFields,
+    StrictModel,
+)
 
 
 class _Echoed(BaseModel):
@@ -126,7 +131,7 @@ class ResponsesStreamOptions(StrictModel):
     include_obfuscation: bool | None = None  # no obfuscation padding is ever added
 
 
-class ResponsesRequest(SamplingFields):
+class ResponsesRequest(SamplingFields, PlatformFields):
     """``POST /v1/responses``. Beyond OpenAI's fields, chat's sampling extensions (``seed``,
     ``top_k``, ``min_p``, penalties, ``logit_bias``, ``priority``, ``cache_salt``)."""
 
@@ -142,11 +147,8 @@ class ResponsesRequest(SamplingFields):
     stream: bool | None = None
     stream_options: ResponsesStreamOptions | None = None
     # Accepted, and change nothing in the answer.
-    store: bool | None = None
-    metadata: Annotated[dict[str, str], Field(max_length=MAX_METADATA)] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     # Checked by the endpoint, which refuses what it cannot honour.
     include: list[str] | None = None  # extra data: logprobs are refused, the rest is data no item here has
     previous_response_id: str | None = None

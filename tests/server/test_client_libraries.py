@@ -66,7 +66,9 @@ def loopback_only():
 
 @pytest.fixture(scope="module")
 def server(log_dir, loopback_only):
-    with running_server(log_dir) as server:
+    # Whole and streamed greedy answers are compared: float32 and no prefix cache, so that a
+    # repeated prompt is computed exactly as the first time (see test_openai_api.py).
+    with running_server(log_dir, "--dtype", "float32", "--no-enable-prefix-caching") as server:
         yield server
 
 
