@@ -163,6 +163,11 @@ def test_langchain_on_the_responses_api_answers_and_calls_tools(base_url, model)
     City.model_validate(call["args"])
 
 
+def test_langchain_structured_output_over_the_responses_api_is_a_valid_instance(base_url, model):
+    structured = chat_model(base_url, model, use_responses_api=True).with_structured_output(City, strict=True)
+    assert isinstance(structured.invoke("Which city is the capital of France?"), City)
+
+
 def test_langchain_streams_from_the_responses_api(base_url, model):
     llm = chat_model(base_url, model, use_responses_api=True)
     whole = llm.invoke("Name a color.")
