@@ -10,7 +10,8 @@ MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
-    """A constraint on the whole output; exactly one field is set.
+    """A constraint on the output (all of it, unless a reasoning block comes first); exactly one
+    of ``json``, ``json_object``, ``regex``, ``choice`` and ``grammar`` is set.
 
     ``json``: a JSON schema (its text); ``json_object``: any JSON object; ``regex``: the output
     matches it; ``choice``: the output is one of these strings; ``grammar``: a Lark-style EBNF

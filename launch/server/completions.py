@@ -27,7 +27,7 @@ from strata.launch.server.reasoning_parsers import reasoning_format
 from strata.launch.server.streams import DONE, ChoiceParser, EngineRun, Job, answer, sse
 from strata.launch.server.structured import logit_bias_of, structured_outputs_of
 from strata.launch.server.tool_calls import ToolPlan, template_messages, tool_plan
-from strata.launch.server.tool_parsers import ParsedDelta, collect
+from strata.launch.server.tool_parsers import collect
 from strata.launch.server.protocol import (
     APIError,
     AssistantMessage,
@@ -368,7 +368,7 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
         for completion in choices:
             parser = job.new_parser()
             parsed = parser.whole(completion.text)
-            content, calls = collect(ParsedDelta(parsed.content, parsed.tool_calls))
+            content, calls = collect(parsed)
             message = AssistantMessage(
                 content=content if content.strip() or not (calls or parsed.reasoning) else None,
                 reasoning_content=parsed.reasoning or None,
@@ -445,4 +445,3 @@ def _cache_salt(tenant_salt: str | None, request_salt: str | None) -> str | None
         return request_salt
     # The tenant part has a fixed form and length, so no request salt can forge another's.
     return tenant_salt if request_salt is None else f"{tenant_salt}/{request_salt}"
-

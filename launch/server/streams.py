@@ -29,7 +29,7 @@ from strata.launch.server.metrics import ServerMetrics
 from strata.launch.server.protocol import APIError, Usage
 from strata.launch.server.reasoning_parsers import ReasoningDelta, ReasoningFormat, ReasoningParser
 from strata.launch.server.tool_calls import ToolPlan
-from strata.launch.server.tool_parsers import CallDelta, ToolCallParser
+from strata.launch.server.tool_parsers import CallDelta, ParsedDelta, ToolCallParser
 from strata.runtime.core_client import EngineDeadError
 
 DONE = b"data: [DONE]\n\n"  # the last event of every stream, as OpenAI sends it
@@ -83,17 +83,15 @@ class Job:
 
 
 @dataclass
-class ParsedChoice:
+class ParsedChoice(ParsedDelta):
     """What part of a chat choice's text is reasoning, content and tool calls."""
 
     reasoning: str = ""
-    content: str = ""
-    tool_calls: list[CallDelta] = field(default_factory=list)
 
-    def extend(self, other: "ParsedChoice") -> None:
-        self.reasoning += other.reasoning
-        self.content += other.content
-        self.tool_calls += other.tool_calls
+    def extend(self, other: ParsedDelta) -> None:
+        super().extend(other)
+        if isinstance(other, ParsedChoice):
+            self.reasoning += other.reasoning
 
 
 class ChoiceParser:
@@ -127,8 +125,7 @@ class ChoiceParser:
         parsed = self._read_calls(ReasoningDelta() if self.reasoning is None else self.reasoning.finish())
         if self.tools is not None:
             rest = self.tools.finish()
-            parsed.content += rest.content
-            parsed.tool_calls += self._allowed(rest.tool_calls)
+            parsed.extend(ParsedDelta(rest.content, self._allowed(rest.tool_calls)))
         return parsed
 
     def whole(self, text: str) -> ParsedChoice:
@@ -139,9 +136,10 @@ class ChoiceParser:
 
     def _read_calls(self, split: ReasoningDelta) -> ParsedChoice:
         if self.tools is None or not split.content:
-            return ParsedChoice(split.reasoning, split.content)
+            return ParsedChoice(content=split.content, reasoning=split.reasoning)
         calls = self.tools.feed(split.content)
-        return ParsedChoice(split.reasoning, calls.content, self._allowed(calls.tool_calls))
+        allowed = self._allowed(calls.tool_calls)
+        return ParsedChoice(content=calls.content, tool_calls=allowed, reasoning=split.reasoning)
 
     def _allowed(self, calls: list[CallDelta]) -> list[CallDelta]:
         return [call for call in calls if call.index == 0] if self.only_first_call else calls

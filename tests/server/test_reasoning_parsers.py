@@ -4,6 +4,7 @@ reasoning, checked token by token with the default model's tokenizer."""
 
 import json
 
+import msgspec
 import pytest
 from transformers import AutoTokenizer
 
@@ -11,7 +12,7 @@ from strata.engine_core.sampling_params import StructuredOutputsParams
 from strata.engine_core.structured_output import StructuredOutputs
 from strata.launch.server.reasoning_parsers import ReasoningDelta, ReasoningParser, reasoning_format, tokens_covering
 from strata.launch.server.streams import ChoiceParser
-from strata.launch.server.tool_parsers import HermesParser, ParsedDelta, collect
+from strata.launch.server.tool_parsers import HermesParser, collect
 from strata.worker.model_loader import resolve_model_path
 
 QWEN3_OUTPUT = "<think>\nThe user wants the capital. It is <b>Paris</b>.\n</think>\n\nParis is the capital."
@@ -85,7 +86,7 @@ def test_tool_calls_are_read_from_the_answer_only():
         parsed = parser.feed(text[:at])
         parsed.extend(parser.feed(text[at:]))
         parsed.extend(parser.finish())
-        content, calls = collect(ParsedDelta(parsed.content, parsed.tool_calls))
+        content, calls = collect(parsed)
         assert parsed.reasoning == 'Maybe <tool_call>{"name": "nope", "arguments": {}}</tool_call>?'
         assert [(call.name, json.loads(call.arguments)) for call in calls] == [("get_weather", {"city": "Paris"})]
         assert content == ""
@@ -166,3 +167,10 @@ def test_tokens_covering_counts_the_tokens_that_write_the_reasoning(tokenizer):
     covering = tokens_covering(tokenizer, ids, chars)
     assert tokenizer.decode(ids[:covering]).endswith("</think>")
     assert not tokenizer.decode(ids[: covering - 1]).endswith("</think>")
+
+
+def test_the_reasoning_markers_cross_to_the_engine_and_are_checked():
+    params = reasoning_format("qwen3").constrain(StructuredOutputsParams(json=SCHEMA))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=StructuredOutputsParams) == params
+    with pytest.raises(ValueError, match="reasoning_start needs reasoning_end"):
+        StructuredOutputsParams(json=SCHEMA, reasoning_start="<think>")
