@@ -76,6 +76,15 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete(client, model):
     assert response.output[0].status == "incomplete" and response.usage.output_tokens == 3
 
 
+def test_a_stream_cut_by_max_output_tokens_ends_with_response_incomplete(client, model):
+    with client.responses.stream(model=model, input="Tell me a long story.", max_output_tokens=3) as stream:
+        events = list(stream)
+    last = events[-1]
+    assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
+    done = next(event for event in events if event.type == "response.output_item.done")
+    assert done.item.status == "incomplete"
+
+
 def test_a_forced_function_call_then_its_output_gets_a_message(client, model):
     first = client.responses.create(
         model=model, input=QUESTION, tools=TOOLS, tool_choice="required", max_output_tokens=40, temperature=0
