@@ -10,12 +10,18 @@ MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
-    """A constraint on the whole output; exactly one field is set.
+    """A constraint on the output (all of it, unless a reasoning block comes first); exactly one
+    of ``json``, ``json_object``, ``regex``, ``choice`` and ``grammar`` is set.
 
     ``json``: a JSON schema (its text); ``json_object``: any JSON object; ``regex``: the output
     matches it; ``choice``: the output is one of these strings; ``grammar``: a Lark-style EBNF
     grammar (llguidance's dialect, whose rule ``start`` is the output). Whether the engine can
     compile it is known only when it tries: a failure ends that request with an ``error``.
+
+    ``reasoning_end`` puts a reasoning block before the constrained answer: the text up to and
+    including the first ``reasoning_end`` is free, then optional whitespace, then the answer.
+    With ``reasoning_start`` the block is optional and must open with it; without, the output
+    starts inside the block (the prompt opened it).
     """
 
     json: str | None = None
@@ -23,6 +29,8 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, forbid_unknown
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    reasoning_start: str | None = None
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -36,6 +44,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, forbid_unknown
                 raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
         if len(self.spec) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"structured_outputs.{given[0]} is longer than {MAX_GRAMMAR_CHARS} characters")
+        if self.reasoning_start is not None and self.reasoning_end is None:
+            raise ValueError("structured_outputs.reasoning_start needs reasoning_end")
+        if "" in (self.reasoning_start, self.reasoning_end):
+            raise ValueError("structured_outputs.reasoning_start and reasoning_end must not be empty")
         if self.json is not None:
             try:
                 schema = json.loads(self.json)

@@ -45,7 +45,7 @@ class StructuredOutputs:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._mask_pool = llguidance.LLExecutor(MASK_THREADS)
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()  # of pristine matchers
+        self._cache: OrderedDict[tuple[str, str, str | None, str | None], Future] = OrderedDict()  # of pristine matchers
         self._lock = threading.Lock()
         self._compiling: dict[str, Future] = {}  # request id -> its compilation
         self.matchers: dict[str, llguidance.LLMatcher] = {}  # request id -> its matcher
@@ -55,7 +55,7 @@ class StructuredOutputs:
     # ---- compilation ----------------------------------------------------------------------
 
     def submit(self, request_id: str, params: StructuredOutputsParams) -> None:
-        key = (params.kind, params.spec)
+        key = (params.kind, params.spec, params.reasoning_start, params.reasoning_end)
         with self._lock:
             future = self._cache.get(key)
             if future is None:
@@ -139,7 +139,33 @@ class StructuredOutputs:
 
 
 def _grammar(params: StructuredOutputsParams) -> str:
-    """The constraint as an llguidance grammar (JSON compact: no free whitespace)."""
+    """The constraint as an llguidance grammar, after its reasoning block if it has one."""
+    answer = _answer_grammar(params)
+    if params.reasoning_end is None:
+        return answer
+    # choice and grammar are Lark text; the others llguidance's JSON form of grammars.
+    grammars = [{"lark_grammar": answer}] if params.kind in ("choice", "grammar") else json.loads(answer)["grammars"]
+    return _after_reasoning(grammars, params.reasoning_start, params.reasoning_end)
+
+
+def _after_reasoning(answer_grammars: list[dict], start: str | None, end: str) -> str:
+    """The answer's grammars after free text that ends at the first ``end`` (a lazy lexeme, so
+    ``end`` cannot occur inside the block), and optional whitespace. llguidance composes
+    grammars by reference: the wrapper calls the answer ``@answer``."""
+    answer_grammars[0]["name"] = "answer"
+    reasoned = "reasoning SPACE? @answer"
+    if start is not None:
+        reasoned = f"{json.dumps(start)} {reasoned} | @answer"
+    wrapper = (
+        f"start: {reasoned}\n"
+        f"reasoning[stop={json.dumps(end)}]: /(.|\\n)*/\n"
+        "SPACE: /[ \\t\\r\\n]+/\n"
+    )
+    return json.dumps({"grammars": [{"name": "reasoned", "lark_grammar": wrapper}, *answer_grammars]})
+
+
+def _answer_grammar(params: StructuredOutputsParams) -> str:
+    """The constraint itself as an llguidance grammar (JSON compact: no free whitespace)."""
     if params.json is not None or params.json_object:
         schema = params.json if params.json is not None else json.dumps({"type": "object"})
         try:

@@ -25,6 +25,7 @@ from strata.launch.server import serve as server
 from strata.runtime.engine_args import EngineArgs
 from strata.launch.llm import LLM
 from strata.launch.server.app import DEFAULT_MAX_REQUEST_BYTES, PREFIX_CACHE_ISOLATION, AppOptions
+from strata.launch.server.reasoning_parsers import REASONING_PARSERS
 from strata.launch.server.tool_parsers import TOOL_CALL_PARSERS
 
 USAGE_ERROR = 2
@@ -107,6 +108,7 @@ def _serve(args: argparse.Namespace) -> None:
             max_request_bytes=args.max_request_bytes,
             enable_debug_endpoints=args.enable_debug_endpoints,
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
         options = server.ServeOptions(args.host, args.port, args.shutdown_timeout, app)
         engine_args = EngineArgs.from_cli(args)
@@ -220,6 +222,10 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
         help="the model family's tool-call format, read from chat outputs under tool_choice auto",
+    )
+    parser.add_argument(
+        "--reasoning-parser", default=None, choices=REASONING_PARSERS,
+        help="split the reasoning (think tags) out of chat and Responses outputs (unset: the output is all answer)",
     )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_serve, parser=parser)

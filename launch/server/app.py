@@ -35,7 +35,11 @@ from strata.launch.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from strata.launch.server.completions import ChatCompletions, Completions, json_response
+from strata.launch.server.completions import ChatCompletions, Completions
+from strata.launch.server.reasoning_parsers import reasoning_format
+from strata.launch.server.responses import Responses
+from strata.launch.server.responses_protocol import ResponsesRequest
+from strata.launch.server.streams import json_response
 from strata.launch.server.tokenization import Tokenization
 from strata.launch.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -54,7 +58,9 @@ class AppOptions:
     """What the application needs besides the engine. ``served_model_name=None``: see
     ``default_model_name``. ``api_keys``: any of them opens ``/v1`` (none: it is open).
     ``prefix_cache_isolation="per-api-key"`` salts every request's prefix cache with its key.
-    ``tool_call_parser``: how chat outputs are read for tool calls under ``tool_choice: auto``."""
+    ``tool_call_parser``: how chat outputs are read for tool calls under ``tool_choice: auto``.
+    ``reasoning_parser``: how chat and Responses outputs are split into reasoning and answer
+    (None: no reasoning is split off)."""
 
     served_model_name: str | None = None
     api_keys: tuple[str, ...] = ()
@@ -62,6 +68,7 @@ class AppOptions:
     enable_debug_endpoints: bool = False
     prefix_cache_isolation: str = "none"
     tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
@@ -77,6 +84,7 @@ class AppOptions:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
             )
+        reasoning_format(self.reasoning_parser)  # raises ValueError naming the choices
 
 
 def build_app(engine: AsyncEngine, options: AppOptions) -> FastAPI:
@@ -86,7 +94,8 @@ def build_app(engine: AsyncEngine, options: AppOptions) -> FastAPI:
     model_name = options.served_model_name or default_model_name(engine)
     metrics = ServerMetrics(engine.replica_stats)
     completions = Completions(engine, model_name, metrics)
-    chat = ChatCompletions(engine, model_name, metrics, options.tool_call_parser)
+    chat = ChatCompletions(engine, model_name, metrics, options.tool_call_parser, options.reasoning_parser)
+    responses = Responses(chat)
     tokenization = Tokenization(engine, model_name, options.tool_call_parser)
     model_card = ModelCard(id=model_name, created=int(time.time()), max_model_len=engine.max_model_len)
 
@@ -116,6 +125,11 @@ def build_app(engine: AsyncEngine, options: AppOptions) -> FastAPI:
     async def create_chat_completion(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, options.max_request_bytes)
         return await chat.handle(body, request, tenant_salt(request))
+
+    @v1.post("/responses")
+    async def create_response(request: Request) -> Response:
+        body = await read_body(request, ResponsesRequest, options.max_request_bytes)
+        return await responses.handle(body, request, tenant_salt(request))
 
     @v1.get("/models")
     async def list_models() -> Response:

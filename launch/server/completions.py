@@ -23,10 +23,11 @@ from transformers import PreTrainedTokenizerBase
 from strata.engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from strata.launch.async_engine import AsyncEngine
 from strata.launch.server.metrics import ServerMetrics
-from strata.launch.server.streams import DONE, EngineRun, EventStream, Job, sse, unless_disconnected
+from strata.launch.server.reasoning_parsers import reasoning_format
+from strata.launch.server.streams import DONE, ChoiceParser, EngineRun, Job, answer, sse
 from strata.launch.server.structured import logit_bias_of, structured_outputs_of
 from strata.launch.server.tool_calls import ToolPlan, template_messages, tool_plan
-from strata.launch.server.tool_parsers import CallDelta, ParsedDelta, ToolCallParser, collect
+from strata.launch.server.tool_parsers import collect
 from strata.launch.server.protocol import (
     APIError,
     AssistantMessage,
@@ -82,18 +83,7 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
         ``tenant_salt`` (per-API-key isolation) goes before the body's own ``cache_salt``."""
         job = await self.engine.off_loop(self._job, body, tenant_salt)
         run = EngineRun(self.engine, self.metrics, job)
-        if not job.stream:
-            try:
-                await unless_disconnected(request, run.collect())
-            finally:
-                await run.close()
-            return json_response(self.response(job, run))
-        try:
-            await unless_disconnected(request, run.start())
-        except BaseException:
-            await run.close()
-            raise
-        return EventStream(self._events(job, run))
+        return await answer(request, job, run, lambda: self.response(job, run), lambda: self._events(job, run))
 
     # ---- what subclasses supply ----
 
@@ -336,15 +326,21 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
 
 
 class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
-    """Chat completions, with tool calls read out of the output by ``tool_call_parser``
-    (``launch/server/tool_parsers.py``) when the request's tools allow them."""
+    """Chat completions, with the reasoning split off by ``reasoning_parser``
+    (``launch/server/reasoning_parsers.py``) when one is set, and tool calls read out of the
+    rest by ``tool_call_parser`` (``launch/server/tool_parsers.py``) when the request's tools
+    allow them."""
 
     id_prefix = "chatcmpl"
     prompt_param = "messages"
 
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, tool_call_parser: str) -> None:
+    def __init__(
+        self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, tool_call_parser: str,
+        reasoning_parser: str | None = None,
+    ) -> None:
         super().__init__(engine, model_name, metrics)
         self.tool_call_parser = tool_call_parser
+        self.reasoning = reasoning_format(reasoning_parser)
 
     def _job(self, body: ChatCompletionRequest, tenant_salt: str | None) -> Job:
         tools = tool_plan(body, self.tool_call_parser)
@@ -355,7 +351,16 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
                 400, f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'} "
                 "already constrains the output: drop response_format and guided_*", param="tool_choice",
             )
-        return self._new_job(body, tenant_salt, [prompt], constraint or tool_constraint, tools)
+        constraint = constraint or tool_constraint
+        if constraint is not None and self.reasoning is not None:
+            constraint = self.reasoning.constrain(constraint)
+        job = self._new_job(body, tenant_salt, [prompt], constraint, tools)
+        job.reasoning = self.reasoning
+        return job
+
+    def job(self, body: ChatCompletionRequest, tenant_salt: str | None) -> Job:
+        """The engine job of ``body``, as ``handle`` runs it: for endpoints built on chat."""
+        return self._job(body, tenant_salt)
 
     def max_tokens(self, body: ChatCompletionRequest, room: int) -> int:
         for value in (body.max_completion_tokens, body.max_tokens):
@@ -377,16 +382,17 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
             yield ChatCompletionChunk(**self.envelope(job), choices=[choice])
 
     def chunk(self, job: Job, delta: CompletionDelta, run: EngineRun) -> ChatCompletionChunk | None:
-        parser = self._parser(job, delta.index)
-        parsed = ParsedDelta(content=delta.text) if parser is None else parser.feed(delta.text)
-        if parser is not None and delta.finish_reason is not None:
+        parser = job.parser(delta.index)
+        parsed = parser.feed(delta.text)
+        if delta.finish_reason is not None:
             parsed.extend(parser.finish())
-        calls = _allowed_calls(job, parsed.tool_calls)
-        if not (parsed.content or calls or delta.logprobs or delta.finish_reason):
+        calls = parsed.tool_calls
+        if not (parsed.reasoning or parsed.content or calls or delta.logprobs or delta.finish_reason):
             return None
         choice = ChatChunkChoice(
             index=delta.index,
             delta=ChatDelta(
+                reasoning_content=parsed.reasoning or None,
                 content=parsed.content or None,
                 tool_calls=[
                     ToolCallDelta(
@@ -409,20 +415,17 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
         rendered = []
         choices = [run.completion(index) for index in range(job.num_choices)]
         for completion in choices:
-            parser = None if job.tools is None else job.tools.parser()
-            message = AssistantMessage(content=completion.text)
-            if parser is not None:
-                parsed = parser.feed(completion.text)
-                parsed.extend(parser.finish())
-                content, calls = collect(ParsedDelta(parsed.content, _allowed_calls(job, parsed.tool_calls)))
-                if calls:
-                    message = AssistantMessage(
-                        content=content if content.strip() else None,
-                        tool_calls=[
-                            ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
-                            for call in calls
-                        ],
-                    )
+            parser = job.new_parser()
+            parsed = parser.whole(completion.text)
+            content, calls = collect(parsed)
+            message = AssistantMessage(
+                content=content if content.strip() or not (calls or parsed.reasoning) else None,
+                reasoning_content=parsed.reasoning or None,
+                tool_calls=[
+                    ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                    for call in calls
+                ] or None,
+            )
             rendered.append(
                 ChatChoice(
                     index=completion.index,
@@ -435,16 +438,6 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
             **self.envelope(job), choices=rendered, usage=job.usage(choices),
             prompt_logprobs=self.rendered_prompt_logprobs(job, run, 0),
         )
-
-    def _parser(self, job: Job, index: int) -> ToolCallParser | None:
-        if job.tools is None:
-            return None
-        if index not in job.parsers:
-            parser = job.tools.parser()
-            if parser is None:
-                return None
-            job.parsers[index] = parser
-        return job.parsers[index]
 
     def _logprobs(self, entries: list[dict[int, float]], top: int) -> ChatLogprobs:
         content = []
@@ -493,16 +486,8 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _allowed_calls(job: Job, calls: list[CallDelta]) -> list[CallDelta]:
-    """With ``parallel_tool_calls`` false, only the first call counts (for ``required`` the
-    grammar already allows one)."""
-    if job.tools is None or job.tools.parallel:
-        return calls
-    return [call for call in calls if call.index == 0]
-
-
-def _finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
-    if reason == "stop" and parser is not None and parser.calls_started:
+def _finish_reason(reason: str | None, parser: ChoiceParser) -> str | None:
+    if reason == "stop" and parser.calls_started:
         return "tool_calls"
     return reason
 
@@ -512,7 +497,3 @@ def _cache_salt(tenant_salt: str | None, request_salt: str | None) -> str | None
         return request_salt
     # The tenant part has a fixed form and length, so no request salt can forge another's.
     return tenant_salt if request_salt is None else f"{tenant_salt}/{request_salt}"
-
-
-def json_response(model: BaseModel, status: int = 200) -> Response:
-    return Response(model.model_dump_json(), status_code=status, media_type="application/json")

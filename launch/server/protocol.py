@@ -18,50 +18,48 @@ MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_TOOLS = 128  # OpenAI's limit on tools per request
 MAX_PROMPTS = 128  # prompts in one /v1/completions request
+MAX_METADATA = 16  # OpenAI's limit on metadata pairs
 
 # Token ids travel as int32 to the engine; the engine checks them against the vocabulary.
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A request body or part: unknown fields, coercion, NaN and infinity are refused."""
+
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     """``include_usage``: end the stream with a chunk that carries only the usage."""
 
     include_usage: bool | None = None
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     name: Annotated[str, Field(max_length=64)]
     schema_: dict | None = Field(default=None, alias="schema")
     description: str | None = None
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class GenerationRequest(_Strict):
-    """The fields completions and chat completions share."""
+class SamplingFields(StrictModel):
+    """The sampling fields every generation endpoint takes, chat's and the Responses API's
+    alike: OpenAI's and the extensions."""
 
-    model: str
-    n: Annotated[int, Field(le=MAX_N)] | None = None
-    max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: Int64 | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
     user: str | None = None
     # Extensions.
     top_k: int | None = None
@@ -71,9 +69,20 @@ class GenerationRequest(_Strict):
     ignore_eos: bool | None = None
     # Requests share prefix-cache blocks only with requests of the same salt (as in vLLM).
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
-    max_completion_tokens: int | None = None
     priority: Int64 | None = None  # lower runs first, with --scheduling-policy priority
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+
+
+class GenerationRequest(SamplingFields):
+    """The fields completions and chat completions share."""
+
+    model: str
+    n: Annotated[int, Field(le=MAX_N)] | None = None
+    max_tokens: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_completion_tokens: int | None = None
     response_format: ResponseFormat | None = None
     # vLLM-style constraints (one per request, response_format included).
     guided_json: dict | None = None
@@ -95,7 +104,7 @@ class CompletionRequest(GenerationRequest):
     echo: bool | None = None
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     """One part of a message's content given as a list (only text is supported)."""
 
     type: Literal["text"]
@@ -133,30 +142,30 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True)
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments object
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     """``tool_choice`` naming the one function the model must call."""
 
     type: Literal["function"]
     function: NamedFunction
 
 
-class ChatPrompt(_Strict):
+class ChatPrompt(StrictModel):
     """The fields that decide a chat request's prompt: its messages and the tools it shows."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -165,14 +174,23 @@ class ChatPrompt(_Strict):
     parallel_tool_calls: bool | None = None
 
 
-class ChatCompletionRequest(ChatPrompt, GenerationRequest):
+class PlatformFields(StrictModel):
+    """OpenAI platform bookkeeping, accepted and ignored: it changes nothing in the answer.
+    Nothing is stored (``store``), tagged (``metadata``) or tiered (``service_tier``)."""
+
+    store: bool | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=MAX_METADATA)] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+
+
+class ChatCompletionRequest(ChatPrompt, GenerationRequest, PlatformFields):
     """``POST /v1/chat/completions``."""
 
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(le=MAX_LOGPROBS)] | None = None
 
 
-class TokenizeCompletionRequest(_Strict):
+class TokenizeCompletionRequest(StrictModel):
     """``POST /tokenize`` of a text prompt (vLLM's shape); ``model`` may be left out."""
 
     model: str | None = None
@@ -192,7 +210,7 @@ class TokenizeChatRequest(ChatPrompt):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     """``POST /detokenize`` (vLLM's shape)."""
 
     model: str | None = None
@@ -267,8 +285,11 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """``reasoning_content``: the reasoning a ``--reasoning-parser`` split off (as in vLLM)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -308,6 +329,7 @@ class ToolCallDelta(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

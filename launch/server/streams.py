@@ -3,21 +3,22 @@ client's, server-sent events.
 
 A ``Job`` is the request translated for the engine: one engine request per prompt, each with
 ``n`` choices. ``EngineRun`` runs it and merges the engine requests' deltas into one stream,
-renumbered as the job's choices (choice ``p * n + i`` is prompt ``p``'s ``i``-th). The
-endpoints (``launch/server/completions.py``) render each delta as a chunk; ``sse`` frames it
-for the ``EventStream``, which ends with ``DONE``. ``unless_disconnected`` stops waiting on the
-engine when the client leaves.
+renumbered as the job's choices (choice ``p * n + i`` is prompt ``p``'s ``i``-th). ``answer``
+serves a run as one JSON response or as an ``EventStream`` of the events an endpoint
+(``launch/server/completions.py``, ``launch/server/responses.py``) renders from its deltas,
+each framed by ``sse``; a ``ChoiceParser`` reads a chat choice's text into reasoning, content
+and tool calls. ``unless_disconnected`` stops waiting on the engine when the client leaves.
 """
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from strata.engine_core.sampling_params import SamplingParams
@@ -26,8 +27,9 @@ from strata.launch.output_processor import CompletionDelta
 from strata.launch.outputs import CompletionOutput, RequestOutput
 from strata.launch.server.metrics import ServerMetrics
 from strata.launch.server.protocol import APIError, Usage
+from strata.launch.server.reasoning_parsers import ReasoningDelta, ReasoningFormat, ReasoningParser
 from strata.launch.server.tool_calls import ToolPlan
-from strata.launch.server.tool_parsers import ToolCallParser
+from strata.launch.server.tool_parsers import CallDelta, ParsedDelta, ToolCallParser
 from strata.runtime.core_client import EngineDeadError
 
 DONE = b"data: [DONE]\n\n"  # the last event of every stream, as OpenAI sends it
@@ -50,11 +52,26 @@ class Job:
     priority: int = 0
     echo: list[str] | None = None  # each prompt's text, to put before its choices' text
     tools: ToolPlan | None = None
-    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per streamed choice
+    reasoning: ReasoningFormat | None = None
+    parsers: dict[int, "ChoiceParser"] = field(default_factory=dict)  # per streamed choice
 
     @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.params.n
+
+    def new_parser(self) -> "ChoiceParser":
+        """A parser for one choice's whole output."""
+        return ChoiceParser(
+            None if self.reasoning is None else self.reasoning.parser(),
+            None if self.tools is None else self.tools.parser(),
+            only_first_call=self.tools is not None and not self.tools.parallel,
+        )
+
+    def parser(self, index: int) -> "ChoiceParser":
+        """The parser of streamed choice ``index``, which keeps its state between deltas."""
+        if index not in self.parsers:
+            self.parsers[index] = self.new_parser()
+        return self.parsers[index]
 
     def usage(self, choices: list[CompletionOutput]) -> Usage:
         """Token counts of the prompts and of ``choices``."""
@@ -63,6 +80,69 @@ class Job:
         return Usage(
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
         )
+
+
+@dataclass
+class ParsedChoice(ParsedDelta):
+    """What part of a chat choice's text is reasoning, content and tool calls."""
+
+    reasoning: str = ""
+
+    def extend(self, other: ParsedDelta) -> None:
+        super().extend(other)
+        if isinstance(other, ParsedChoice):
+            self.reasoning += other.reasoning
+
+
+class ChoiceParser:
+    """One chat choice's text read as it streams: the reasoning split off first (by the
+    ``--reasoning-parser``), then tool calls read out of the rest (by the request's tool
+    parser); without either, the text is all content. ``only_first_call``: later calls are
+    dropped (``parallel_tool_calls: false``; for ``required`` the grammar allows one anyway)."""
+
+    def __init__(
+        self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, only_first_call: bool = False
+    ) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+        self.only_first_call = only_first_call
+
+    @property
+    def calls_started(self) -> int:
+        return 0 if self.tools is None else self.tools.calls_started
+
+    @property
+    def reasoning_chars(self) -> int:
+        """How much of the text so far, tags included, is reasoning."""
+        return 0 if self.reasoning is None else self.reasoning.reasoning_chars
+
+    def feed(self, text: str) -> ParsedChoice:
+        """What ``text``, the choice's next delta, adds."""
+        return self._read_calls(ReasoningDelta(content=text) if self.reasoning is None else self.reasoning.feed(text))
+
+    def finish(self) -> ParsedChoice:
+        """What is left once the choice has ended."""
+        parsed = self._read_calls(ReasoningDelta() if self.reasoning is None else self.reasoning.finish())
+        if self.tools is not None:
+            rest = self.tools.finish()
+            parsed.extend(ParsedDelta(rest.content, self._allowed(rest.tool_calls)))
+        return parsed
+
+    def whole(self, text: str) -> ParsedChoice:
+        """A whole output, read at once (the parser must be fresh)."""
+        parsed = self.feed(text)
+        parsed.extend(self.finish())
+        return parsed
+
+    def _read_calls(self, split: ReasoningDelta) -> ParsedChoice:
+        if self.tools is None or not split.content:
+            return ParsedChoice(content=split.content, reasoning=split.reasoning)
+        calls = self.tools.feed(split.content)
+        allowed = self._allowed(calls.tool_calls)
+        return ParsedChoice(content=calls.content, tool_calls=allowed, reasoning=split.reasoning)
+
+    def _allowed(self, calls: list[CallDelta]) -> list[CallDelta]:
+        return [call for call in calls if call.index == 0] if self.only_first_call else calls
 
 
 class EngineRun:
@@ -165,6 +245,34 @@ class EngineRun:
         except (RuntimeError, TimeoutError):  # EngineDeadError is a RuntimeError
             return APIError.unavailable(message)
         return APIError(400, message)
+
+
+async def answer(
+    request: Request,
+    job: Job,
+    run: EngineRun,
+    whole: Callable[[], BaseModel],
+    events: Callable[[], AsyncGenerator[bytes, None]],
+) -> Response:
+    """Serve ``run``: for a streamed ``job`` the ``events`` (once the engine has taken the
+    request, so that what it refuses at once still gets an HTTP error status), else one JSON
+    body, ``whole()`` once every choice is in. The run is closed however the request ends."""
+    if not job.stream:
+        try:
+            await unless_disconnected(request, run.collect())
+        finally:
+            await run.close()
+        return json_response(whole())
+    try:
+        await unless_disconnected(request, run.start())
+    except BaseException:
+        await run.close()
+        raise
+    return EventStream(events())
+
+
+def json_response(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
 
 
 class EventStream(StreamingResponse):

@@ -149,7 +149,7 @@ class HermesParser(ToolCallParser):
             if self._call is None:
                 start = self._buffer.find(self.OPEN)
                 if start < 0:
-                    keep = _partial_suffix(self._buffer, self.OPEN)
+                    keep = partial_suffix(self._buffer, self.OPEN)
                     parsed.content += self._buffer[: len(self._buffer) - keep]
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     return parsed
@@ -311,7 +311,7 @@ class _Llama3Calls(_JsonCallsParser):
     separators = _WHITESPACE + ";"
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` could be the start of ``tag``."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:length]):

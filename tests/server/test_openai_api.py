@@ -265,3 +265,16 @@ def test_examples_run_against_the_server(server, example):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
+
+
+def test_chat_accepts_platform_fields_that_change_nothing_in_the_answer(client, model):
+    given = dict(model=model, messages=CHAT, max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(**given)
+    tagged = client.chat.completions.create(**given, store=True, metadata={"run": "7"}, service_tier="auto", user="u1")
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_chat_refuses_reasoning_effort_naming_it(client, model):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=6, reasoning_effort="high")
+    assert refused.value.body["param"] == "reasoning_effort"

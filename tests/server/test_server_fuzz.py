@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server_helpers import running_server
+from strata.launch.server.protocol import SamplingFields
 
 MODEL = "fuzz-model"
 MAX_REQUEST_BYTES = 65536
@@ -17,6 +18,7 @@ MAX_MODEL_LEN = 512
 VOCAB_SIZE = 49152
 COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+RESPONSE = {"model": MODEL, "input": "Hello", "max_output_tokens": 2}
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -136,10 +138,53 @@ CHAT_BAD_VALUES = {
     "tool_choice": st.text().filter(lambda t: t != "none") | st.just({"type": "function", "function": {"name": "nope"}})
     | json_values.filter(lambda v: v is not None and not isinstance(v, str)),
     "parallel_tool_calls": not_a_bool,
+    "store": not_a_bool,
+    "metadata": json_values.filter(lambda v: v is not None and not isinstance(v, dict))
+    | st.dictionaries(st.text(max_size=6), not_a_string, min_size=1, max_size=3)
+    | st.just({str(i): "x" for i in range(17)}),  # OpenAI allows 16 pairs
+    "service_tier": st.text().filter(lambda t: t not in ("auto", "default", "flex", "scale", "priority")),
 }
-ENDPOINTS = {"/v1/completions": (COMPLETION, COMPLETION_BAD_VALUES), "/v1/chat/completions": (CHAT, CHAT_BAD_VALUES)}
-REQUIRED = {"/v1/completions": ["model", "prompt"], "/v1/chat/completions": ["model", "messages"]}
-KNOWN_FIELDS = set(COMPLETION_BAD_VALUES) | set(CHAT_BAD_VALUES)
+bad_input_items = st.lists(
+    st.fixed_dictionaries({"role": st.text().filter(lambda r: r not in ROLES), "content": st.text()})
+    | st.fixed_dictionaries({"role": st.just("user"), "content": bad_content})
+    | st.fixed_dictionaries({"role": st.just("user"), "content": st.just([{"type": "input_image", "image_url": "x"}])})
+    | st.fixed_dictionaries({"type": st.text().filter(lambda t: t not in ("message", "reasoning")), "role": st.just("user")})
+    | st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.text(), "output": st.text()})
+    | st.just({"type": "function_call", "call_id": "c", "name": "f", "arguments": "["})  # not an object
+    | not_a_string.filter(lambda v: not isinstance(v, dict)),
+    min_size=1, max_size=3,
+)
+RESPONSES_BAD_VALUES = {
+    **{field: values for field, values in SHARED_BAD_VALUES.items() if field in SamplingFields.model_fields},
+    "model": SHARED_BAD_VALUES["model"],
+    "stream": not_a_bool,
+    "input": st.just([]) | json_values.filter(lambda v: not isinstance(v, str | list)) | bad_input_items,
+    "instructions": not_a_string,
+    "max_output_tokens": not_an_int | ints_outside(1, MAX_MODEL_LEN - 1),
+    "tools": json_values.filter(lambda v: v is not None and not isinstance(v, list))
+    | st.lists(json_values, min_size=1, max_size=3) | st.just([{"type": "web_search"}]),
+    "tool_choice": st.text().filter(lambda t: t != "none") | st.just({"type": "function", "name": "nope"})
+    | json_values.filter(lambda v: v is not None and not isinstance(v, str)),
+    "text": json_values.filter(lambda v: v is not None and not isinstance(v, dict))
+    | st.text().filter(lambda t: t not in ("text", "json_object")).map(lambda kind: {"format": {"type": kind}})
+    | st.just({"format": {"type": "json_schema", "name": "x"}}),
+    "previous_response_id": st.text(),
+    "truncation": st.text().filter(lambda t: t != "disabled"),
+    "reasoning": st.fixed_dictionaries({"effort": st.text()}),
+    "background": st.just(True),
+    "top_logprobs": st.integers(min_value=1) | not_an_int,
+    "store": CHAT_BAD_VALUES["store"],
+    "metadata": CHAT_BAD_VALUES["metadata"],
+}
+ENDPOINTS = {
+    "/v1/completions": (COMPLETION, COMPLETION_BAD_VALUES),
+    "/v1/chat/completions": (CHAT, CHAT_BAD_VALUES),
+    "/v1/responses": (RESPONSE, RESPONSES_BAD_VALUES),
+}
+REQUIRED = {
+    "/v1/completions": ["model", "prompt"], "/v1/chat/completions": ["model", "messages"], "/v1/responses": ["model", "input"]
+}
+KNOWN_FIELDS = set(COMPLETION_BAD_VALUES) | set(CHAT_BAD_VALUES) | set(RESPONSES_BAD_VALUES)
 
 
 def nested_schema(depth: int) -> dict:
@@ -174,7 +219,7 @@ def structurally_wrong(draw) -> tuple[str, bytes]:
         body = {**base, unknown: draw(json_values)}
     else:
         depth = draw(st.integers(min_value=2, max_value=20000))
-        key = "prompt" if path == "/v1/completions" else "messages"
+        key = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/v1/responses": "input"}[path]
         return path, json.dumps({**base, key: None}).replace("null", "[" * depth + "]" * depth).encode()
     return path, json.dumps(body).encode()
 
