@@ -236,7 +236,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag="out"):
 
 # ---- process control ----------------------------------------------------------------------
 
-UtilityResult = dict[str, int | float | str | bool | None]
+UtilityResult = dict[str, int | float | str | bool | list[int] | None]
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, tag="call"):

@@ -124,7 +124,9 @@ def run(llm: LLM, workload: Workload, baseline: str | None = None) -> dict[str, 
     warmup = [corpus[::-1][:WARMUP_PROMPT_LEN]]  # reversed text: shares no cached block with the prompts
     dtype, _ = resolve_dtype(llm.config.worker.dtype, llm.config.worker.device)
 
-    elapsed = _time_engine(llm, prompts, workload.output_len, warmup)
+    llm.generate(warmup, SamplingParams(temperature=0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True), use_tqdm=False)
+    before = llm.stats
+    elapsed = _time_engine(llm, prompts, workload.output_len)
     input_tokens = sum(len(prompt) for prompt in prompts)
     output_tokens = len(prompts) * workload.output_len
     output_tokens_per_s = output_tokens / elapsed
@@ -142,6 +144,14 @@ def run(llm: LLM, workload: Workload, baseline: str | None = None) -> dict[str, 
         "output_tokens_per_s": output_tokens_per_s,
         "total_tokens_per_s": (input_tokens + output_tokens) / elapsed,
     }
+    if llm.args.speculative_method is not None and before is not None and llm.stats is not None:
+        drafts = llm.stats.spec_draft_tokens - before.spec_draft_tokens
+        accepted = llm.stats.spec_accepted_tokens - before.spec_accepted_tokens
+        verifications = llm.stats.spec_verifications - before.spec_verifications
+        result["spec_draft_tokens"] = drafts
+        result["spec_accepted_tokens"] = accepted
+        result["spec_acceptance"] = accepted / drafts if drafts else 0.0
+        result["spec_tokens_per_verification"] = 1 + accepted / verifications if verifications else 1.0
     if isinstance(llm.engine, SyncCoreClient):
         # Encode + send + receive + decode between the EngineCore and its workers, per step.
         result["ipc_us_per_step"] = llm.engine.call_utility("debug_state")["ipc_us_per_step"]
@@ -160,9 +170,8 @@ def run(llm: LLM, workload: Workload, baseline: str | None = None) -> dict[str, 
     return result
 
 
-def _time_engine(llm: LLM, prompts: list[list[int]], output_len: int, warmup: list[list[int]]) -> float:
+def _time_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
     """Seconds the engine takes to generate ``output_len`` greedy tokens for every prompt."""
-    llm.generate(warmup, SamplingParams(temperature=0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True), use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -220,6 +229,11 @@ def format_result(result: dict[str, object]) -> str:
         f"{result['num_prompts']} requests in {result['elapsed_s']:.2f} s, {result['requests_per_s']:.2f} requests/s, "
         f"{result['output_tokens_per_s']:.1f} output tokens/s, {result['total_tokens_per_s']:.1f} total tokens/s"
     ]
+    if "spec_draft_tokens" in result:
+        lines.append(
+            f"speculative decoding: {result['spec_acceptance']:.0%} of {result['spec_draft_tokens']} drafts accepted, "
+            f"{result['spec_tokens_per_verification']:.2f} tokens per verified step"
+        )
     if "baseline" in result:
         lines.append(
             f"{result['baseline']} generate: {result['baseline_elapsed_s']:.2f} s, "

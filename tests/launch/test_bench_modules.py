@@ -12,7 +12,7 @@ from strata.launch.bench import compare_vllm_driver
 from strata.launch.bench.dp_routing import DEFAULT_LOAD, DEFAULT_POLICIES, parse_args
 from strata.launch.cli.main import build_parser
 
-MODULES = ("compare_vllm", "compare_vllm_serve", "compare_vllm_driver", "step_profile", "dp_routing")
+MODULES = ("compare_vllm", "compare_vllm_serve", "compare_vllm_driver", "step_profile", "dp_routing", "speculative")
 
 
 @pytest.mark.parametrize("name", MODULES)

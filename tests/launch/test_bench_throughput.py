@@ -92,3 +92,15 @@ def test_run_without_baseline_reports_no_ratio(llm):
     assert "ratio" not in result and "baseline_output_tokens_per_s" not in result
     assert result["output_tokens"] == 4
     assert "hf" not in format_result(result)
+
+
+def test_run_with_ngram_drafts_reports_their_acceptance():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        engine = LLM(executor="uni", speculative_method="ngram")
+    with engine:
+        result = run(engine, Workload(num_prompts=2, input_len_min=64, input_len_max=64, output_len=24))
+    drafts, accepted = result["spec_draft_tokens"], result["spec_accepted_tokens"]
+    assert 0 <= accepted <= drafts and result["spec_acceptance"] == (accepted / drafts if drafts else 0.0)
+    assert result["spec_tokens_per_verification"] >= 1
+    assert "drafts accepted" in format_result(result)
