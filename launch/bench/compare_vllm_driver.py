@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 REPLY_MARK = "@compare "
+NGRAM_MIN, NGRAM_MAX = 1, 4  # strata's defaults, given to vLLM's n-gram proposer too
 
 # A long prefill on a machine shared with other work can take longer than the engine's default.
 WORKER_TIMEOUT_S = 600.0
@@ -29,9 +30,10 @@ def load_strata(args: argparse.Namespace) -> tuple[Callable[[], None], Generate,
     from strata.engine_core.sampling_params import SamplingParams
     from strata.launch.llm import LLM
 
+    drafts = {"speculative_method": "ngram", "num_speculative_tokens": args.ngram_drafts} if args.ngram_drafts else {}
     llm = LLM(
         args.model, executor=args.executor, dtype=args.dtype, max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_gib << 30, worker_timeout_s=WORKER_TIMEOUT_S,
+        kv_cache_memory=args.kv_cache_gib << 30, worker_timeout_s=WORKER_TIMEOUT_S, **drafts,
     )
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[int]:
@@ -44,7 +46,15 @@ def load_strata(args: argparse.Namespace) -> tuple[Callable[[], None], Generate,
 def load_vllm(args: argparse.Namespace) -> tuple[Callable[[], None], Generate, Callable[[], None]]:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enable_prefix_caching=True, seed=0)
+    drafts = {}
+    if args.ngram_drafts:
+        drafts["speculative_config"] = {
+            "method": "ngram", "num_speculative_tokens": args.ngram_drafts,
+            "prompt_lookup_min": NGRAM_MIN, "prompt_lookup_max": NGRAM_MAX,
+        }
+    llm = LLM(
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enable_prefix_caching=True, seed=0, **drafts
+    )
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[int]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
@@ -66,6 +76,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, required=True)
     parser.add_argument("--executor", default="mp", help="strata only: uni, mp or ray")
     parser.add_argument("--kv-cache-gib", type=int, default=4, help="strata only; vLLM's is VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--ngram-drafts", type=int, default=0, help="n-gram speculative decoding with this many drafts (0: off)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through the finally: the engine stops its processes
     reset_prefix_cache, generate, shutdown = (load_strata if args.engine == "strata" else load_vllm)(args)

@@ -23,11 +23,8 @@ from pathlib import Path
 
 from strata.engine_core.sampling_params import SamplingParams
 from strata.launch.bench.compare_vllm import CpuInfo
-from strata.launch.bench.throughput import CORPUS, Workload, synthetic_prompts
+from strata.launch.bench.throughput import COPY_TOKENS, CORPUS, Workload, copy_prompt, synthetic_prompts
 from strata.launch.llm import LLM
-
-COPY_CHARS = 1200
-COPY_TOKENS = 256
 
 
 @dataclass
@@ -53,10 +50,7 @@ def measure(workload: str, speculative: bool, engine_args: dict) -> Measurement:
     flags = {"speculative_method": "ngram"} if speculative else {}
     with LLM(**engine_args, **flags) as llm:
         if workload == "copy":
-            prompts = [llm.tokenizer.apply_chat_template(
-                [{"role": "user", "content": f"Repeat the following text word for word.\n\n{CORPUS[:COPY_CHARS]}"}],
-                add_generation_prompt=True, tokenize=True, return_dict=False,
-            )]
+            prompts = [copy_prompt(llm.tokenizer)]
             params = SamplingParams(temperature=0, max_tokens=COPY_TOKENS, ignore_eos=True)
         else:
             prompts = synthetic_prompts(llm.tokenizer.encode(CORPUS, add_special_tokens=False), Workload())

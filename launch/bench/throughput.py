@@ -17,13 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from strata.engine_core.sampling_params import SamplingParams
 from strata.runtime.core_client import SyncCoreClient
 from strata.launch.llm import LLM
 from strata.worker.model_loader import resolve_dtype
 
+COPY_CHARS = 1200  # the copy workload's passage (speculative decoding's benchmark)
+COPY_TOKENS = 256
 HF_BATCH_SIZE = 64
 WARMUP_PROMPT_LEN = 64
 WARMUP_OUTPUT_LEN = 4
@@ -95,6 +97,12 @@ class Workload:
             raise ValueError(f"output_len must be >= 1, got {self.output_len}")
         if self.prefix_len < 0:
             raise ValueError(f"prefix_len must be >= 0, got {self.prefix_len}")
+
+
+def copy_prompt(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The copy workload's chat prompt: repeat a passage of the corpus word for word."""
+    message = {"role": "user", "content": f"Repeat the following text word for word.\n\n{CORPUS[:COPY_CHARS]}"}
+    return tokenizer.apply_chat_template([message], add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
 def synthetic_prompts(corpus: Sequence[int], workload: Workload) -> list[list[int]]:
