@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.kernels import cpu_linear, native
+from strata.kernels import cpu_linear, gguf_linear, native
 
 _i32, _i64, _ptr, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -20,9 +20,15 @@ _i32, _i64, _ptr, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes
 _NO_MEMORY, _SLOT_OUTSIDE_CACHE, _UNSUPPORTED_SHAPE = -1, -2, -3
 
 
+class LayerWeight(ctypes.Structure):
+    """A linear's weight: a bfloat16 matrix's address, or a ``gguf_linear.QuantizedMatrix``'s struct."""
+
+    _fields_ = [("bfloat16", _ptr), ("quantized", ctypes.POINTER(gguf_linear.MatrixStruct))]
+
+
 class AttentionLayer(ctypes.Structure):
     _fields_ = [
-        ("input_norm", _ptr), ("qkv", _ptr), ("qkv_bias", _ptr), ("o_proj", _ptr),
+        ("input_norm", _ptr), ("qkv", LayerWeight), ("qkv_bias", _ptr), ("o_proj", LayerWeight),
         ("hidden", _i32), ("heads", _i32), ("kv_heads", _i32), ("head_dim", _i32), ("sliding_window", _i32),
         ("eps", _f32), ("scale", _f32),
     ]
@@ -30,7 +36,7 @@ class AttentionLayer(ctypes.Structure):
 
 class MlpLayer(ctypes.Structure):
     _fields_ = [
-        ("post_attention_norm", _ptr), ("gate_up", _ptr), ("gate_up_bias", _ptr), ("down", _ptr),
+        ("post_attention_norm", _ptr), ("gate_up", LayerWeight), ("gate_up_bias", _ptr), ("down", LayerWeight),
         ("hidden", _i32), ("intermediate", _i32), ("eps", _f32),
     ]
 

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -47,6 +48,11 @@ _SIGNATURES = {
     # Pointers to the structs of kernels/cpu_decoder_layer.py, then the activations.
     "attention_block": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr], _i32),
     "mlp_block": ([_ptr, _ptr, _ptr, _ptr, _ptr], _i32),
+    # A pointer to kernels/gguf_linear.py's QuantizedMatrix struct, then as small_batch_linear.
+    "quantized_linear": ([_ptr, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i32, _i32], _i32),
+    "gguf_linear_supports": ([_i32, _i64], _i32),
+    "gguf_linear_body": ([], _i32),
+    "gguf_dequantize": ([_ptr, _i32, _i64, _i64, _ptr, _i32, _i32], _i32),
 }
 
 
@@ -66,16 +72,23 @@ def load_library() -> ctypes.CDLL | None:
     except OSError as error:
         logger.warning("loading the C kernels failed, the CPU path falls back to torch code: %s", error)
         return None
-    for name, (argtypes, restype) in _SIGNATURES.items():
+    return declare_signatures(library)
+
+
+def declare_signatures(library: ctypes.CDLL, names: Iterable[str] | None = None) -> ctypes.CDLL:
+    """``library`` with the argument and result types of its kernels ``names`` (default: all)
+    declared; a build of some sources for another CPU family declares those it has."""
+    for name in names or _SIGNATURES:
+        argtypes, restype = _SIGNATURES[name]
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, restype
     return library
 
 
-def compile_library(compiler: str, flags: list[str], output: Path) -> None:
-    """Compile every source of ``csrc`` with ``flags`` into the shared library ``output``; raises
-    ``CalledProcessError`` (with the compiler's messages) when that fails."""
-    sources = sorted(SOURCE_DIR.glob("*.c"))
+def compile_library(compiler: str, flags: list[str], output: Path, sources: list[Path] | None = None) -> None:
+    """Compile ``sources`` (default: every source of ``csrc``) with ``flags`` into the shared
+    library ``output``; raises ``CalledProcessError`` (with the compiler's messages) when that fails."""
+    sources = sources or sorted(SOURCE_DIR.glob("*.c"))
     command = [compiler, *flags, "-I", str(SOURCE_DIR), *map(str, sources), "-o", str(output), "-lm"]
     subprocess.run(command, check=True, capture_output=True, text=True)
 

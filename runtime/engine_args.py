@@ -20,7 +20,9 @@ from strata.engine_core.kv_connector import SchedulerConnector
 from strata.engine_core.ngram_proposer import SPECULATIVE_METHODS, SpeculativeConfig
 from strata.engine_core.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from strata.runtime.executors.ray_config import RAY_PLACEMENT_STRATEGIES, RayConfig
-from strata.worker.config import ATTENTION_BACKENDS, CPU_BF16_LINEAR_MODES, DTYPES, LOAD_FORMATS, WorkerConfig
+from strata.worker.config import (
+    ATTENTION_BACKENDS, CPU_BF16_LINEAR_MODES, DTYPES, LOAD_FORMATS, QUANTIZATIONS, WorkerConfig,
+)
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 EXECUTORS = ("uni", "mp", "ray")
@@ -90,6 +92,13 @@ class EngineArgs:
         "at start), larger ones run a GEMM: float32 on float32 copies (2x the memory) or bfloat16; auto: "
         "bfloat16 where the CPU has AVX512-BF16/AMX; native: the bfloat16 GEMM at every step",
         choices=CPU_BF16_LINEAR_MODES,
+    )
+    quantization: str = flag(
+        "auto",
+        "gguf: a GGUF model's linears keep the file's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) "
+        "and CPU kernels multiply them as stored; none: dequantize at load; auto: gguf where the model is a "
+        "GGUF file run on the CPU and every block type has a kernel",
+        choices=QUANTIZATIONS,
     )
     device: str = flag("auto", "cpu, cuda, cuda:K (mp ranks take cuda:K, cuda:K+1, ...) or auto")
     tensor_parallel_size: int = flag(1, short="-tp", rule=at_least(1))
@@ -233,7 +242,7 @@ def tokenizer_json_path(model_dir: str) -> str | None:
 def resolve(args: EngineArgs) -> ResolvedConfig:
     """Locate the model (converting the default GGUF once) and derive every config from it."""
     # torch-heavy: only when actually building
-    from strata.worker.model_loader import resolve_model_path
+    from strata.worker.model_loader import gguf_file, resolve_model_path
     from strata.worker.model_registry import model_class
 
     path = resolve_model_path(args.model)
@@ -257,7 +266,11 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
     )
     engine_fields = dataclasses.asdict(args)
     same_named = {name: engine_fields[name] for name in WorkerConfig.__struct_fields__ if name in engine_fields}
-    resolved_here = {"model": str(path), "device": _device(args.device), "max_model_len": max_model_len}
+    gguf = gguf_file(args.model)
+    resolved_here = {
+        "model": str(path), "device": _device(args.device), "max_model_len": max_model_len,
+        "gguf_file": None if gguf is None else str(gguf),
+    }
     worker = WorkerConfig(**(same_named | resolved_here))
     ray_config = None
     if args.executor == "ray":

@@ -21,15 +21,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels import cpu_features, cpu_linear, onednn_linear
+from strata.kernels import cpu_features, cpu_linear, gguf_linear, onednn_linear
 from strata.worker.config import CPU_BF16_LINEAR_MODES
 from strata.worker.fused_decode_layers import fuse_cpu_decode_layers
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, linear
 
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32)
+QUANTIZED_CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 SAMPLE_FEATURES = 1024  # output features of the timed slice: the per-weight cost, in a few ms
 TIMED_REPEATS = 5
 
@@ -98,26 +100,104 @@ def measure_crossover(
     timings summed over the ranks of ``tp``."""
     gemm_weight = weight.to(gemm_dtype)
     gemm_packed = onednn_linear.pack(gemm_weight) if packed else None
+    return _crossover(
+        CANDIDATE_ROWS,
+        weight.shape[1],
+        torch.bfloat16,
+        lambda x: cpu_linear.small_batch_linear(x, weight),
+        lambda x: linear(x, gemm_weight, packed=gemm_packed),
+        tp,
+    )
+
+
+def _crossover(
+    candidates: tuple[int, ...],
+    features: int,
+    dtype: torch.dtype,
+    small: Callable[[torch.Tensor], object],
+    large: Callable[[torch.Tensor], object],
+    tp: TensorParallel,
+) -> tuple[int, list[tuple[int, float, float]]]:
+    """The largest of ``candidates`` up to which ``small`` on that many random rows of
+    ``features`` values is no slower than ``large``, with the (rows, small s, large s) timings
+    summed over the ranks of ``tp`` (so that every rank chooses alike)."""
     generator = torch.Generator().manual_seed(0)
-    seconds = torch.zeros(len(CANDIDATE_ROWS), 2, dtype=torch.float64)
-    for i, rows in enumerate(CANDIDATE_ROWS):
-        x = torch.randn(rows, weight.shape[1], generator=generator).bfloat16()
-        seconds[i, 0] = _fastest_seconds(lambda: cpu_linear.small_batch_linear(x, weight))
-        seconds[i, 1] = _fastest_seconds(lambda: linear(x, gemm_weight, packed=gemm_packed))
+    seconds = torch.zeros(len(candidates), 2, dtype=torch.float64)
+    for i, rows in enumerate(candidates):
+        x = torch.randn(rows, features, generator=generator).to(dtype)
+        seconds[i, 0] = _fastest_seconds(lambda: small(x))
+        seconds[i, 1] = _fastest_seconds(lambda: large(x))
     seconds = tp.all_reduce(seconds)
-    stream_rows = 0
-    for rows, (stream, gemm) in zip(CANDIDATE_ROWS, seconds.tolist()):
-        if stream > gemm:
+    chosen = 0
+    for rows, (small_s, large_s) in zip(candidates, seconds.tolist()):
+        if small_s > large_s:
             break
-        stream_rows = rows
-    return stream_rows, [(rows, stream, gemm) for rows, (stream, gemm) in zip(CANDIDATE_ROWS, seconds.tolist())]
+        chosen = rows
+    return chosen, [(rows, small_s, large_s) for rows, (small_s, large_s) in zip(candidates, seconds.tolist())]
+
+
+@dataclass(frozen=True)
+class QuantizedLinearPlan:
+    """Up to how many rows a step multiplies the GGUF blocks as stored (``block_rows``); larger
+    steps dequantize each weight for the step and run the GEMM in the activations' dtype."""
+
+    block_rows: int
+    dtype: torch.dtype
+    reason: str
+
+    def describe(self) -> str:
+        gemm = f"dequantize each weight for the step and run the {str(self.dtype).removeprefix('torch.')} GEMM"
+        return f"steps of <= {self.block_rows} rows multiply the blocks ({gguf_linear.body()}), larger ones {gemm} ({self.reason})"
+
+
+def plan_quantized_linears(model: nn.Module, dtype: torch.dtype, tp: TensorParallel) -> QuantizedLinearPlan | None:
+    """The plan for a model whose linears keep GGUF blocks (``tp_layers.QuantizedWeight``), or
+    None where none does: the crossover of ``QUANTIZED_CANDIDATE_ROWS`` between the block kernel
+    and dequantize-then-GEMM, timed on a slice of the largest such linear."""
+    weights = [
+        module.quantized
+        for module in model.modules()
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.quantized is not None
+    ]
+    if not weights:
+        return None
+    largest = max(weights, key=lambda weight: weight.matrix.out_features * weight.matrix.in_features).matrix
+    first = largest.parts[0]
+    sample = gguf_linear.QuantizedMatrix(
+        [gguf_linear.QuantizedPart(first.data[:SAMPLE_FEATURES].contiguous(), first.type)], largest.in_features
+    )
+    block_rows, timings = _crossover(
+        QUANTIZED_CANDIDATE_ROWS,
+        sample.in_features,
+        dtype,
+        lambda x: gguf_linear.linear(x, sample),
+        lambda x: F.linear(x, gguf_linear.dequantize(sample, dtype)),
+        tp,
+    )
+    # A dequantization reads the blocks and writes 2-4x their bytes: at one row it cannot win, and
+    # where timings on a busy machine say otherwise they are noise.
+    block_rows = max(block_rows, 1)
+    measured = ", ".join(f"{rows}: {small * 1e6:.0f}/{large * 1e6:.0f}" for rows, small, large in timings)
+    reason = f"us blocks/dequantize+GEMM by rows on [{first.data[:SAMPLE_FEATURES].shape[0]}, {sample.in_features}] {gguf_linear.TYPE_NAMES[first.type]}: {measured}"
+    return QuantizedLinearPlan(block_rows, dtype, reason)
+
+
+def apply_quantized_linear_plan(model: nn.Module, plan: QuantizedLinearPlan) -> None:
+    """Let every GGUF-block linear (the LM head too) multiply the blocks in steps of up to
+    ``plan.block_rows`` rows, and the Llama decoder layers run those steps as fused C calls."""
+    for module in model.modules():
+        quantized = getattr(module, "quantized", None)
+        if isinstance(module, PlannedLinear) and quantized is not None:
+            quantized.max_rows = plan.block_rows
+    if plan.block_rows:
+        fuse_cpu_decode_layers(model, plan.block_rows)
 
 
 def apply_cpu_linear_plan(model: nn.Module, plan: CpuLinearPlan) -> None:
     """Hold the linear and LM-head weights as ``plan`` says, and let the Llama decoder layers run
     the streamed steps as fused C calls."""
     for module in model.modules():
-        if isinstance(module, PlannedLinear):
+        if isinstance(module, PlannedLinear) and module.quantized is None:
             module.plan_cpu_(plan.gemm_dtype, plan.stream_rows, plan.packed)
     if plan.stream_rows:
         fuse_cpu_decode_layers(model, plan.stream_rows)
@@ -133,7 +213,9 @@ def _largest_streamable_weight(model: nn.Module) -> torch.Tensor | None:
     weights = [
         module.weight.data
         for module in model.modules()
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and cpu_linear.supports_weight(module.weight)
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+        and module.quantized is None
+        and cpu_linear.supports_weight(module.weight)
     ]
     return max(weights, key=torch.Tensor.numel, default=None)
 

@@ -8,6 +8,7 @@ for (``LlamaModel.fused_step``: at most the plan's ``stream_rows``, see
 ``worker/cpu_linear_plan.py``) and its modules in the others.
 """
 
+import ctypes
 import logging
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from torch import nn
 from strata.kernels import cpu_decoder_layer, cpu_linear
 from strata.worker.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from strata.worker.parallel_state import TensorParallel
+from strata.worker.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +31,7 @@ class FusedDecoderLayer:
     mlp: cpu_decoder_layer.MlpLayer
     tp: TensorParallel
     max_rows: int
+    biases: tuple[torch.Tensor | None, ...]  # the float32 biases the structs point at, kept alive
 
     def forward(
         self, step: cpu_decoder_layer.Step, kv_cache: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -60,26 +63,27 @@ def fuse_cpu_decode_layers(model: nn.Module, max_rows: int) -> None:
 def fused_decoder_layer(layer: LlamaDecoderLayer, max_rows: int) -> FusedDecoderLayer | None:
     """The layer's fused halves where they compute exactly what its modules do, else None: a
     Llama attention and MLP (not a family's variant) on the ``cpu`` attention backend, whose four
-    linears stream bfloat16 weights (``tp_layers.StreamedWeight``) and whose row-parallel linears
-    have no bias."""
+    linears stream bfloat16 weights (``tp_layers.StreamedWeight``) or multiply GGUF blocks
+    (``tp_layers.QuantizedWeight``), and whose row-parallel linears have no bias."""
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP or attn.attn_backend.name != "cpu":
         return None
     if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
         return None
-    streamed = [linear.streamed for linear in (attn.qkv_proj, mlp.gate_up_proj, attn.o_proj, mlp.down_proj)]
-    if any(weight is None for weight in streamed):
+    weights = [_layer_weight(linear) for linear in (attn.qkv_proj, mlp.gate_up_proj, attn.o_proj, mlp.down_proj)]
+    if any(weight is None for weight in weights):
         return None
     input_norm, post_attention_norm = layer.input_layernorm, layer.post_attention_layernorm
     if not (input_norm.weight.is_contiguous() and post_attention_norm.weight.is_contiguous()):
         return None
-    qkv, gate_up, o_proj, down = streamed
+    qkv, gate_up, o_proj, down = weights
+    qkv_bias, gate_up_bias = _float32_bias(attn.qkv_proj), _float32_bias(mlp.gate_up_proj)
     return FusedDecoderLayer(
         attention=cpu_decoder_layer.AttentionLayer(
             input_norm=input_norm.weight.data_ptr(),
-            qkv=qkv.weight.data_ptr(),
-            qkv_bias=qkv.bias.data_ptr() if qkv.bias is not None else None,
-            o_proj=o_proj.weight.data_ptr(),
+            qkv=qkv,
+            qkv_bias=qkv_bias.data_ptr() if qkv_bias is not None else None,
+            o_proj=o_proj,
             hidden=input_norm.weight.numel(),
             heads=attn.num_heads,
             kv_heads=attn.num_kv_heads,
@@ -90,13 +94,31 @@ def fused_decoder_layer(layer: LlamaDecoderLayer, max_rows: int) -> FusedDecoder
         ),
         mlp=cpu_decoder_layer.MlpLayer(
             post_attention_norm=post_attention_norm.weight.data_ptr(),
-            gate_up=gate_up.weight.data_ptr(),
-            gate_up_bias=gate_up.bias.data_ptr() if gate_up.bias is not None else None,
-            down=down.weight.data_ptr(),
+            gate_up=gate_up,
+            gate_up_bias=gate_up_bias.data_ptr() if gate_up_bias is not None else None,
+            down=down,
             hidden=post_attention_norm.weight.numel(),
-            intermediate=down.weight.shape[1],
+            intermediate=mlp.down_proj.columns.stop - mlp.down_proj.columns.start,
             eps=post_attention_norm.eps,
         ),
         tp=attn.o_proj.tp,  # the MLP's down_proj sums over the same group
         max_rows=min(max_rows, cpu_linear.MAX_ROWS),
+        biases=(qkv_bias, gate_up_bias),
     )
+
+
+def _layer_weight(linear: ColumnParallelLinear | RowParallelLinear) -> cpu_decoder_layer.LayerWeight | None:
+    """The C view of a linear's weight: its GGUF blocks, or the bfloat16 weight it streams; None
+    when it does neither."""
+    if linear.quantized is not None:
+        return cpu_decoder_layer.LayerWeight(quantized=ctypes.pointer(linear.quantized.matrix.struct))
+    if linear.streamed is not None:
+        return cpu_decoder_layer.LayerWeight(bfloat16=linear.streamed.weight.data_ptr())
+    return None
+
+
+def _float32_bias(linear: ColumnParallelLinear) -> torch.Tensor | None:
+    """The bias the fused half adds to its float32 sums (the streamed one is already float32)."""
+    if linear.streamed is not None:
+        return linear.streamed.bias
+    return None if linear.bias is None else linear.bias.data.float().contiguous()

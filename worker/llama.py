@@ -302,6 +302,8 @@ class LlamaForCausalLM(nn.Module):
             missing.pop(name, None)
         if missing:
             raise ValueError(f"checkpoint lacks tensors: {', '.join(sorted(missing))}")
+        if self.tie_word_embeddings and self.model.embed_tokens.quantized is not None:
+            self.lm_head.quantized, self.lm_head.weight = self.model.embed_tokens.quantized, None
 
     def _checkpoint_targets(self) -> dict[str, tuple[str, int | None]]:
         """Checkpoint tensor name -> (our parameter, part of it or None) for every tensor the

@@ -32,11 +32,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from strata.kernels import cpu_features
+from strata.kernels import cpu_features, native
 from strata.worker.attention import AttentionBackend
 from strata.worker.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
 from strata.worker.gemma3 import END_OF_TURN as GEMMA3_END_OF_TURN
-from strata.worker.config import DTYPES, LOAD_FORMATS
+from strata.worker.config import DTYPES, LOAD_FORMATS, QUANTIZATIONS
+from strata.worker.gguf_weights import GgufFile
 from strata.worker.llama import LlamaForCausalLM
 from strata.worker.model_registry import model_class
 from strata.worker.parallel_state import TensorParallel
@@ -66,13 +67,10 @@ def resolve_model_path(model: str | None) -> Path:
     (``STRATA_CACHE_DIR`` defaults to ``~/.cache/strata``); a directory with a ``config.json`` is
     used as is.
     """
-    if model is None:
-        return _converted_gguf(_default_gguf())
-    if model == GEMMA3_270M:
-        return _converted_gguf(_gemma3_270m_gguf())
+    gguf = gguf_file(model)
+    if gguf is not None:
+        return _converted_gguf(gguf)
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _converted_gguf(path)
     if path.is_dir() and (path / "config.json").is_file():
         return path
     if path.is_file() and path.name == "config.json":  # a config alone: for --load-format dummy
@@ -81,6 +79,17 @@ def resolve_model_path(model: str | None) -> Path:
         f"model {model!r} is neither a .gguf file, a config.json nor a directory with a config.json "
         "(models are never downloaded: pass a local path)"
     )
+
+
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF file ``model`` names (None: the default model's; ``gemma3-270m``; a ``.gguf``
+    path), or None where it names a directory."""
+    if model is None:
+        return _default_gguf()
+    if model == GEMMA3_270M:
+        return _gemma3_270m_gguf()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def _default_gguf() -> Path:
@@ -221,12 +230,15 @@ def load_model(
     attn_backend: AttentionBackend,
     device: torch.device | str,
     load_format: str = "auto",
+    blocks_from: Path | None = None,
 ) -> LlamaForCausalLM:
     """Build the model ``path/config.json`` describes on ``device`` and load this rank's weights.
 
     ``load_format="auto"``: the weights come from ``path``'s safetensors files (sharded or not),
-    read lazily so each rank reads only its own shard from disk. ``"dummy"``: seeded random
-    weights of the config's shapes (``dummy_weights``), for runs that need no checkpoint.
+    read lazily so each rank reads only its own shard from disk; with ``blocks_from`` (the GGUF
+    file ``path`` was converted from, see ``quantized_weights_file``) the tensors that file
+    stores in blocks come from it, still in blocks. ``"dummy"``: seeded random weights of the
+    config's shapes (``dummy_weights``), for runs that need no checkpoint.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
@@ -236,9 +248,42 @@ def load_model(
         model = model_cls(config, tp, attn_backend)
     if load_format == "dummy":
         model.load_weights(dummy_weights(config, dtype, device))
+    elif blocks_from is not None:
+        blocks = GgufFile(blocks_from, config)
+        model.load_weights((name, blocks.quantized(name) or source) for name, source in _read_safetensors(Path(path)))
     else:
         model.load_weights(_read_safetensors(Path(path)))
     return model.eval()
+
+
+def quantized_weights_file(quantization: str, gguf: str | None, device: torch.device | str) -> Path | None:
+    """The GGUF file whose blocks the model's linears keep under ``--quantization quantization``,
+    or None (the converted directory's dequantized weights).
+
+    ``none``: never. ``gguf``: the model's GGUF file, else a ValueError saying why not (not a GGUF
+    model, not on the CPU, no C compiler, block types without a kernel). ``auto``: as ``gguf``
+    where all of that holds, else None (logged).
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "none":
+        return None
+    if gguf is None:
+        obstacle = "the model is not a GGUF file"
+    elif torch.device(device).type != "cpu":
+        obstacle = f"GGUF blocks are multiplied by CPU kernels, and the model runs on {device}"
+    elif native.load_library() is None:
+        obstacle = "the C kernels could not be built (see the warning above)"
+    else:
+        config = AutoConfig.from_pretrained(_converted_gguf(Path(gguf)), local_files_only=True)
+        missing = GgufFile(Path(gguf), config).types_without_kernel()
+        obstacle = f"no kernel takes its {', '.join(sorted(missing))} blocks" if missing else None
+    if obstacle is None:
+        return Path(gguf)
+    if quantization == "gguf":
+        raise ValueError(f"--quantization gguf: {obstacle}; --quantization none dequantizes the weights at load")
+    logger.info("weights dequantized at load: %s", obstacle)
+    return None
 
 
 class DummyTensor:

@@ -18,8 +18,10 @@ from strata.worker.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from strata.worker.draft_verification import DraftLayout
 from strata.worker.input_batch import InputBatch, StepInputs, to_device
 from strata.worker.kv_cache_sizing import KVCacheSizer
-from strata.worker.cpu_linear_plan import apply_cpu_linear_plan, plan_cpu_linears
-from strata.worker.model_loader import load_model, resolve_dtype
+from strata.worker.cpu_linear_plan import (
+    apply_cpu_linear_plan, apply_quantized_linear_plan, plan_cpu_linears, plan_quantized_linears,
+)
+from strata.worker.model_loader import load_model, quantized_weights_file, resolve_dtype
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.prompt_logprobs import compute_prompt_logprobs, prompt_spans
 from strata.worker.sampler import SamplingMetadata, sample
@@ -44,11 +46,18 @@ class ModelRunner:
         self.dtype, reason = resolve_dtype(config.dtype, self.device)
         logger.info("rank %d: dtype %s (%s)", tp.rank, self.dtype, reason)
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.model = load_model(config.model, self.dtype, tp, self.backend, self.device, config.load_format)
+        blocks_from = quantized_weights_file(config.quantization, config.gguf_file, self.device)
+        self.model = load_model(
+            config.model, self.dtype, tp, self.backend, self.device, config.load_format, blocks_from
+        )
         cpu_plan = plan_cpu_linears(config.cpu_bf16_linear, self.model, self.dtype, self.device, tp)
         if cpu_plan is not None:
             apply_cpu_linear_plan(self.model, cpu_plan)
             logger.info("rank %d: linears: %s", tp.rank, cpu_plan.describe())
+        quantized_plan = plan_quantized_linears(self.model, self.dtype, tp)
+        if quantized_plan is not None:
+            apply_quantized_linear_plan(self.model, quantized_plan)
+            logger.info("rank %d: GGUF-block linears (%s): %s", tp.rank, blocks_from.name, quantized_plan.describe())
         self.cache_dtype = self.backend.cache_dtype(self.dtype)
         self.block_size = config.block_size
         sizer = KVCacheSizer(config, tp, self.model, self.cache_dtype, self.device)

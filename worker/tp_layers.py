@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels import cpu_layers, cpu_linear, onednn_linear
+from strata.kernels import cpu_layers, cpu_linear, gguf_linear, onednn_linear
+from strata.worker.gguf_weights import GgufTensor
 from strata.worker.parallel_state import TensorParallel
 
 
@@ -76,6 +77,24 @@ def streamed_weight(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: i
     return StreamedWeight(weight.data, None if bias is None else bias.data.float().contiguous(), max_rows)
 
 
+@dataclass
+class QuantizedWeight:
+    """A layer's weight kept in a GGUF file's blocks (``--quantization gguf``): steps of at most
+    ``max_rows`` rows multiply the blocks as stored (``kernels.gguf_linear``); larger ones, whose
+    GEMM outweighs a dequantization, dequantize the weight for the step and run the GEMM (the
+    crossover is measured at start, ``worker/cpu_linear_plan.py``)."""
+
+    matrix: gguf_linear.QuantizedMatrix
+    max_rows: int = 16
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x W^T + b``, rounded to ``out_dtype`` (default ``x``'s)."""
+        if x.shape[0] <= self.max_rows:
+            return gguf_linear.linear(x, self.matrix, bias, out_dtype)
+        y = F.linear(x, gguf_linear.dequantize(self.matrix, x.dtype), None if bias is None else bias.to(x.dtype))
+        return y if out_dtype is None else y.to(out_dtype)
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -128,8 +147,12 @@ class ColumnParallelLinear(nn.Module):
         self.bias = empty_parameter(sum(self.output_sizes)) if bias else None
         self.streamed: StreamedWeight | None = None
         self.packed: torch.Tensor | None = None
+        self.quantized: QuantizedWeight | None = None
+        self._quantized_parts: list[gguf_linear.QuantizedPart | None] = [None] * len(self.shards)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.linear(x, self.bias)
         return linear(x, self.weight, self.bias, self.streamed, self.packed)
 
     def plan_cpu_(self, gemm_dtype: torch.dtype, stream_rows: int, pack: bool) -> None:
@@ -141,8 +164,17 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(self.bias.to(gemm_dtype), requires_grad=False)
         self.packed = onednn_linear.pack(self.weight.data) if pack else None
 
-    def load_weight(self, name: str, source: TensorSource, part: int = 0) -> None:
-        """Copy this rank's rows of checkpoint matrix ``part`` (``name`` is ``weight`` or ``bias``)."""
+    def load_weight(self, name: str, source: "TensorSource | GgufTensor", part: int = 0) -> None:
+        """Copy this rank's rows of checkpoint matrix ``part`` (``name`` is ``weight`` or ``bias``);
+        a ``GgufTensor`` weight keeps its blocks, and once every part has come, the layer multiplies
+        them (its float weight is dropped)."""
+        if isinstance(source, GgufTensor):
+            source.check_shape((self.matrix_rows[part], self.input_size))
+            self._quantized_parts[part] = source.part(self.shards[part])
+            if all(p is not None for p in self._quantized_parts):
+                self.quantized = QuantizedWeight(gguf_linear.QuantizedMatrix(self._quantized_parts, self.input_size))
+                self.weight = None
+            return
         offset = sum(self.output_sizes[:part])
         destination = getattr(self, name).data[offset : offset + self.output_sizes[part]]
         full_shape = (self.matrix_rows[part], self.input_size) if name == "weight" else (self.matrix_rows[part],)
@@ -168,9 +200,14 @@ class RowParallelLinear(nn.Module):
         self.bias = empty_parameter(output_size) if bias else None
         self.streamed: StreamedWeight | None = None
         self.packed: torch.Tensor | None = None
+        self.quantized: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.streamed, self.packed))
+        if self.quantized is not None:
+            partial = self.quantized.linear(x)
+        else:
+            partial = linear(x, self.weight, None, self.streamed, self.packed)
+        y = self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
     def plan_cpu_(self, gemm_dtype: torch.dtype, stream_rows: int, pack: bool) -> None:
@@ -181,9 +218,15 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(self.weight.to(gemm_dtype), requires_grad=False)
         self.packed = onednn_linear.pack(self.weight.data) if pack else None
 
-    def load_weight(self, name: str, source: TensorSource) -> None:
-        """Copy this rank's columns of the weight, or the whole bias."""
-        if name == "weight":
+    def load_weight(self, name: str, source: "TensorSource | GgufTensor") -> None:
+        """Copy this rank's columns of the weight (a ``GgufTensor``'s: keep their blocks), or the
+        whole bias."""
+        if isinstance(source, GgufTensor):
+            source.check_shape((self.weight.shape[0], self.input_size))
+            part = gguf_linear.QuantizedPart(source.columns(self.columns), source.type)
+            self.quantized = QuantizedWeight(gguf_linear.QuantizedMatrix([part], self.columns.stop - self.columns.start))
+            self.weight = None
+        elif name == "weight":
             full_shape = (self.weight.shape[0], self.input_size)
             copy_shard(self.weight.data, read_shard(source, full_shape, (slice(None), self.columns)))
         else:
@@ -205,21 +248,42 @@ class VocabParallelEmbedding(nn.Module):
         rows_per_rank = -(-vocab_size // tp.size)
         self.vocab_start = min(tp.rank * rows_per_rank, vocab_size)
         self.vocab_end = min(self.vocab_start + rows_per_rank, vocab_size)
+        self.rows_per_rank, self.hidden_size, self.dtype = rows_per_rank, hidden_size, torch.get_default_dtype()
         self.weight = nn.Parameter(torch.zeros(rows_per_rank, hidden_size), requires_grad=False)
+        self.quantized: QuantizedWeight | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._embed(input_ids)
         local_ids = input_ids - self.vocab_start
         elsewhere = (local_ids < 0) | (local_ids >= self.vocab_end - self.vocab_start)
-        embedded = F.embedding(local_ids.masked_fill(elsewhere, 0), self.weight)
+        embedded = self._embed(local_ids.masked_fill(elsewhere, 0))
         embedded.masked_fill_(elsewhere.unsqueeze(-1), 0)
         return self.tp.all_reduce(embedded)
 
-    def load_weight(self, name: str, source: TensorSource) -> None:
-        """Copy this rank's vocabulary rows; the padding rows stay zero."""
+    def _embed(self, local_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is None:
+            return F.embedding(local_ids, self.weight)
+        [part] = self.quantized.matrix.parts
+        looked_up = gguf_linear.QuantizedPart(part.data.index_select(0, local_ids.flatten()), part.type)
+        out = torch.empty(looked_up.rows, self.hidden_size, dtype=self.dtype)
+        gguf_linear.dequantize_rows(looked_up, self.hidden_size, out)
+        return out.view(*local_ids.shape, self.hidden_size)
+
+    def load_weight(self, name: str, source: "TensorSource | GgufTensor") -> None:
+        """Copy this rank's vocabulary rows (a ``GgufTensor``'s: keep their blocks, and look up
+        rows by dequantizing just them); the padding rows stay zero (zero blocks are zeros)."""
         rows = self.vocab_end - self.vocab_start
-        full_shape = (self.vocab_size, self.weight.shape[1])
+        full_shape = (self.vocab_size, self.hidden_size)
+        if isinstance(source, GgufTensor):
+            source.check_shape(full_shape)
+            blocks = source.rows(slice(self.vocab_start, self.vocab_end))
+            padded = torch.zeros(self.rows_per_rank, blocks.shape[1], dtype=torch.uint8)
+            padded[:rows] = blocks
+            part = gguf_linear.QuantizedPart(padded, source.type)
+            self.quantized = QuantizedWeight(gguf_linear.QuantizedMatrix([part], self.hidden_size))
+            self.weight = None
+            return
         copy_shard(self.weight.data[:rows], read_shard(source, full_shape, slice(self.vocab_start, self.vocab_end)))
 
 
@@ -235,7 +299,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.streamed is not None and self.streamed.takes(hidden):
+        if self.quantized is not None:
+            logits = self.quantized.linear(hidden, out_dtype=torch.float32)
+        elif self.streamed is not None and self.streamed.takes(hidden):
             logits = cpu_linear.small_batch_linear(hidden, self.streamed.weight, out_dtype=self.weight.dtype)
         else:
             logits = _gemm(hidden.to(self.weight.dtype), self.weight, None, self.packed)

@@ -14,12 +14,18 @@
 #include "dtypes.h"
 #include "kernels.h"
 
+/* A linear layer's weight [out, in]: bfloat16, or GGUF blocks (exactly one is non-NULL). */
+struct LayerWeight {
+    const uint16_t *bfloat16;
+    const struct QuantizedMatrix *quantized;
+};
+
 /* One layer's attention half: weights in the layout worker/llama.py holds them. */
 struct AttentionLayer {
     const void *input_norm;      /* [hidden] of the activations' dtype */
-    const uint16_t *qkv;         /* bfloat16 [(heads + 2 kv_heads) head_dim, hidden] */
+    struct LayerWeight qkv;      /* [(heads + 2 kv_heads) head_dim, hidden] */
     const float *qkv_bias;       /* [(heads + 2 kv_heads) head_dim] or NULL */
-    const uint16_t *o_proj;      /* bfloat16 [hidden, heads head_dim] */
+    struct LayerWeight o_proj;   /* [hidden, heads head_dim] */
     int32_t hidden, heads, kv_heads, head_dim, sliding_window; /* sliding_window 0: full attention */
     float eps, scale;
 };
@@ -27,9 +33,9 @@ struct AttentionLayer {
 /* One layer's MLP half. */
 struct MlpLayer {
     const void *post_attention_norm; /* [hidden] of the activations' dtype */
-    const uint16_t *gate_up;         /* bfloat16 [2 intermediate, hidden] */
+    struct LayerWeight gate_up;      /* [2 intermediate, hidden] */
     const float *gate_up_bias;       /* [2 intermediate] or NULL */
-    const uint16_t *down;            /* bfloat16 [hidden, intermediate] */
+    struct LayerWeight down;         /* [hidden, intermediate] */
     int32_t hidden, intermediate;
     float eps;
 };
@@ -56,6 +62,18 @@ struct KvCache {
 
 enum { FUSED_OK = 0, FUSED_NO_MEMORY = -1, FUSED_SLOT_OUTSIDE_CACHE = -2, FUSED_UNSUPPORTED_SHAPE = -3 };
 
+/* out = x W^T + bias through the kernel of W's storage; FUSED_OK or FUSED_NO_MEMORY (the shapes
+ * were checked when the layer was built). */
+static int layer_linear(const struct LayerWeight *w, const void *x, int dtype, int64_t rows, int64_t in_features,
+                        int64_t out_features, const float *bias, void *out, int threads)
+{
+    const int status = w->quantized
+                           ? quantized_linear(w->quantized, x, dtype, rows, in_features, bias, out, dtype, threads)
+                           : small_batch_linear(x, dtype, rows, in_features, w->bfloat16, out_features, bias, out,
+                                                dtype, threads);
+    return status ? FUSED_NO_MEMORY : FUSED_OK;
+}
+
 /* out = o_proj(attention(rotary(qkv(norm(hidden + residual))))), for the step's rows; the sum
  * hidden + residual is written into `residual` (NULL: hidden is the first layer's input and
  * itself the residual). `out` holds partial sums when the heads are split across ranks. Returns
@@ -76,8 +94,8 @@ int attention_block(const struct AttentionLayer *layer, const struct DecodeStep 
     int status = normed && qkv && attended ? FUSED_OK : FUSED_NO_MEMORY;
     if (status == FUSED_OK) {
         rms_norm(hidden, residual, layer->input_norm, normed, rows, layer->hidden, dtype, layer->eps, threads);
-        status = small_batch_linear(normed, dtype, rows, layer->hidden, layer->qkv, qkv_width, layer->qkv_bias, qkv,
-                                    dtype, threads);
+        status = layer_linear(&layer->qkv, normed, dtype, rows, layer->hidden, qkv_width, layer->qkv_bias, qkv,
+                              threads);
     }
     if (status == FUSED_OK) {
         /* q and k heads sit side by side at the start of each row: one rotation covers both. */
@@ -96,8 +114,7 @@ int attention_block(const struct AttentionLayer *layer, const struct DecodeStep 
                            layer->heads, layer->sliding_window, 0, layer->scale, attended, threads))
         status = FUSED_NO_MEMORY;
     if (status == FUSED_OK)
-        status = small_batch_linear(attended, dtype, rows, q_width, layer->o_proj, layer->hidden, NULL, out, dtype,
-                                    threads);
+        status = layer_linear(&layer->o_proj, attended, dtype, rows, q_width, layer->hidden, NULL, out, threads);
     free(normed);
     free(qkv);
     free(attended);
@@ -117,13 +134,13 @@ int mlp_block(const struct MlpLayer *layer, const struct DecodeStep *step, const
     int status = normed && gate_up && activated ? FUSED_OK : FUSED_NO_MEMORY;
     if (status == FUSED_OK) {
         rms_norm(hidden, residual, layer->post_attention_norm, normed, rows, layer->hidden, dtype, layer->eps, threads);
-        status = small_batch_linear(normed, dtype, rows, layer->hidden, layer->gate_up, 2 * layer->intermediate,
-                                    layer->gate_up_bias, gate_up, dtype, threads);
+        status = layer_linear(&layer->gate_up, normed, dtype, rows, layer->hidden, 2 * layer->intermediate,
+                              layer->gate_up_bias, gate_up, threads);
     }
     if (status == FUSED_OK) {
         silu_and_mul(gate_up, activated, rows, layer->intermediate, dtype, threads);
-        status = small_batch_linear(activated, dtype, rows, layer->intermediate, layer->down, layer->hidden, NULL, out,
-                                    dtype, threads);
+        status = layer_linear(&layer->down, activated, dtype, rows, layer->intermediate, layer->hidden, NULL, out,
+                              threads);
     }
     free(normed);
     free(gate_up);

@@ -6,10 +6,12 @@ from pathlib import Path
 import torch
 
 from strata.kernels import cpu_linear
-from strata.worker.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from strata.worker.cpu_linear_plan import CpuLinearPlan, apply_cpu_linear_plan
+from strata.worker.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, get_attention_backend
+from strata.worker.cpu_linear_plan import (
+    CpuLinearPlan, QuantizedLinearPlan, apply_cpu_linear_plan, apply_quantized_linear_plan,
+)
 from strata.worker.llama import LlamaForCausalLM
-from strata.worker.model_loader import load_model
+from strata.worker.model_loader import gguf_file, load_model, quantized_weights_file, resolve_model_path
 from strata.worker.parallel_state import TensorParallel
 
 SINGLE_RANK = TensorParallel(rank=0, size=1)
@@ -28,6 +30,16 @@ def load_planned(
 
 def load_ours(path: Path, tp: TensorParallel = SINGLE_RANK, device: str = "cpu") -> LlamaForCausalLM:
     return load_model(path, torch.float32, tp, TorchAttentionBackend(), device)
+
+
+def load_gguf_blocks(model: str | None, tp: TensorParallel = SINGLE_RANK, block_rows: int = 16) -> LlamaForCausalLM:
+    """The GGUF model ``model`` names (None: the default model) as the engine loads it under
+    ``--quantization gguf`` on the CPU, in float32, steps of up to ``block_rows`` rows on the blocks."""
+    blocks_from = quantized_weights_file("gguf", str(gguf_file(model)), "cpu")
+    backend = get_attention_backend("cpu", torch.device("cpu"))
+    loaded = load_model(resolve_model_path(model), torch.float32, tp, backend, "cpu", blocks_from=blocks_from)
+    apply_quantized_linear_plan(loaded, QuantizedLinearPlan(block_rows, torch.float32, "tests"))
+    return loaded
 
 
 class PagedRunner:

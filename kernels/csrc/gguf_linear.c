@@ -1,0 +1,444 @@
+/* x W^T for weights kept in the quantized blocks of a GGUF file (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+ * Q4_K, Q5_K, Q6_K), without dequantizing them first.
+ *
+ * A decode step reads every weight once, so its speed is the bytes of weights per token: a Q4_1
+ * weight is 5 bits, a bfloat16 one 16. The activations are quantized per run of 32 values to
+ * int16 with a float32 scale, so a run of 32 weights against a run of 32 activations is one
+ * integer dot product. Every format decodes a run of 32 weights to unsigned bytes u with a scale
+ * a and an offset b per half-run of 16 values, w = a u + b (Q8_0, already signed, to signed
+ * bytes with b = 0), so that
+ *     sum_i w_i x_i  =  d_x (a sum_i u_i q_i + b sum_i q_i)
+ * with the q_i the int16 activations and d_x their scale: one integer dot product per run, plus
+ * the activations' sums, computed once when they are quantized.
+ *
+ * Why int16 and not llama.cpp's int8: int8 activations are off by up to 1/254 of a run's largest
+ * value, and through the default model's 30 layers that moved logits by several hundredths,
+ * enough to change greedy tokens where HF's top two logits were 0.08 apart; int16 activations
+ * are 128 times closer, and their dot product costs the same instructions per run (the weights
+ * widened to 16 bits, vpmaddwd) as int8's (the halves joined, vpdpbusd).
+ *
+ * The dot product has three bodies, chosen when the library is built for the CPU: AVX512-VNNI
+ * (vpdpwssd adds the second half's products in the same instruction), AVX2 (vpmaddwd, vpaddd),
+ * and portable C.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "dtypes.h"
+#include "kernels.h"
+
+/* ggml's type codes (ggml.h), as GGUF files store them. */
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
+       GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+enum { RUN = 32, SUPER = 256, MAX_FEATURES = 2, MAX_ROW_GROUP = 4, PREFETCH_AHEAD = 8 };
+enum { GGUF_OK = 0, GGUF_NO_MEMORY = -1, GGUF_UNSUPPORTED_TYPE = -2, GGUF_BAD_SHAPE = -3 };
+
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));
+
+/* 32 activations quantized: x_i ~= d q_i, with d times the sum of q over each half (what a
+ * run's offsets multiply). */
+struct QuantizedRun {
+    i16x16 q[2];
+    float d, scaled_sum[2];
+};
+
+/* 32 weights decoded, as two halves of 16: w_i = scale[h] u[h][i % 16] + offset[h] with
+ * h = i / 16 (u read as signed for Q8_0). Formats with a zero point z (u - z, not a float offset)
+ * have offset = -z scale, and `zero` z for the dequantization, which rounds as ggml does:
+ * scale (u - z) is one rounding, not two. */
+struct DecodedRun {
+    u8x16 u[2];
+    float scale[2], offset[2];
+    int zero;
+};
+
+static inline float half_at(const uint8_t *p)
+{
+    _Float16 h;
+    memcpy(&h, p, sizeof h);
+    return (float)h;
+}
+
+static inline u8x16 load16(const uint8_t *p)
+{
+    u8x16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Low nibbles of 16 bytes, then their high nibbles: ggml's order for 32 4-bit values. */
+static inline void nibbles(const uint8_t *p, u8x16 u[2])
+{
+    const u8x16 q = load16(p);
+    u[0] = q & 0xF;
+    u[1] = q >> 4;
+}
+
+/* 16 in each byte i of half h whose bit 16h + i of the 32-bit little-endian word at p is set. */
+static inline u8x16 fifth_bits(const uint8_t *p, int h)
+{
+    u8x16 bytes = {0};
+    memcpy(&bytes, p + 2 * h, 2);
+    const u8x16 spread = __builtin_shufflevector(bytes, bytes, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const u8x16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    return (u8x16)((spread & bit) != 0) & 16;
+}
+
+/* Q4_K and Q5_K: the 6-bit scale and min of sub-run j (0..7), packed into 12 bytes. */
+static inline void k_scale_min(const uint8_t *packed, int j, int *scale, int *min)
+{
+    if (j < 4) {
+        *scale = packed[j] & 63;
+        *min = packed[j + 4] & 63;
+    } else {
+        *scale = (packed[j + 4] & 0xF) | ((packed[j - 4] >> 6) << 4);
+        *min = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
+    }
+}
+
+static inline void uniform(struct DecodedRun *r, float scale, float offset, int zero)
+{
+    r->scale[0] = r->scale[1] = scale;
+    r->offset[0] = r->offset[1] = offset;
+    r->zero = zero;
+}
+
+/* Run j of the block at `b` (j = 0 for the 32-value formats, 0..7 for the K formats). */
+static inline __attribute__((always_inline)) void decode_run(int type, const uint8_t *b, int j, struct DecodedRun *r)
+{
+    switch (type) {
+    case GGML_Q4_0: /* d, 16 bytes of nibbles; w = d (u - 8) */
+        nibbles(b + 2, r->u);
+        uniform(r, half_at(b), -8.f * half_at(b), 8);
+        break;
+    case GGML_Q4_1: /* d, m, nibbles; w = d u + m */
+        nibbles(b + 4, r->u);
+        uniform(r, half_at(b), half_at(b + 2), 0);
+        break;
+    case GGML_Q5_0: /* d, 32 fifth bits, nibbles; w = d (u - 16) */
+        nibbles(b + 6, r->u);
+        r->u[0] |= fifth_bits(b + 2, 0);
+        r->u[1] |= fifth_bits(b + 2, 1);
+        uniform(r, half_at(b), -16.f * half_at(b), 16);
+        break;
+    case GGML_Q5_1: /* d, m, fifth bits, nibbles; w = d u + m */
+        nibbles(b + 8, r->u);
+        r->u[0] |= fifth_bits(b + 4, 0);
+        r->u[1] |= fifth_bits(b + 4, 1);
+        uniform(r, half_at(b), half_at(b + 2), 0);
+        break;
+    case GGML_Q8_0: /* d, 32 int8; w = d q */
+        r->u[0] = load16(b + 2);
+        r->u[1] = load16(b + 18);
+        uniform(r, half_at(b), 0.f, 0);
+        break;
+    case GGML_Q4_K:   /* d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles */
+    case GGML_Q5_K: { /* as Q4_K with 32 bytes of fifth bits before the nibbles */
+        int scale, min;
+        k_scale_min(b + 4, j, &scale, &min);
+        const uint8_t *low = b + (type == GGML_Q4_K ? 16 : 48) + 32 * (j / 2);
+        for (int h = 0; h < 2; h++) {
+            const u8x16 q = load16(low + 16 * h);
+            r->u[h] = j % 2 ? q >> 4 : q & 0xF;
+            if (type == GGML_Q5_K) r->u[h] |= ((load16(b + 16 + 16 * h) >> j) & 1) << 4;
+        }
+        uniform(r, half_at(b) * scale, -(half_at(b + 2) * min), 0);
+        break;
+    }
+    case GGML_Q6_K: { /* 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d; w = d s (u - 32) */
+        const int half = j / 4, k = j % 4;
+        for (int h = 0; h < 2; h++) {
+            const u8x16 low = load16(b + 64 * half + 32 * (k % 2) + 16 * h);
+            const u8x16 high = load16(b + 128 + 32 * half + 16 * h);
+            r->u[h] = (k >= 2 ? low >> 4 : low & 0xF) | (((high >> (2 * k)) & 3) << 4);
+        }
+        const int8_t *scales = (const int8_t *)(b + 192 + 8 * half + 2 * k);
+        const float d = half_at(b + 208);
+        r->scale[0] = d * scales[0];
+        r->scale[1] = d * scales[1];
+        r->offset[0] = -32.f * r->scale[0];
+        r->offset[1] = -32.f * r->scale[1];
+        r->zero = 32;
+        break;
+    }
+    default: /* callers check the type first (block_values) */
+        __builtin_unreachable();
+    }
+}
+
+/* A decoded half-run as 16-bit lanes. */
+static inline i16x16 widen(u8x16 half, int is_signed)
+{
+#if defined(__AVX2__)
+    return (i16x16)(is_signed ? _mm256_cvtepi8_epi16((__m128i)half) : _mm256_cvtepu8_epi16((__m128i)half));
+#else
+    return is_signed ? __builtin_convertvector((i8x16)half, i16x16) : __builtin_convertvector(half, i16x16);
+#endif
+}
+
+/* Lane l: w_2l q_2l + w_2l+1 q_2l+1, plus `add`'s lane l. */
+static inline i32x8 multiply_add_pairs(i16x16 w, i16x16 q, i32x8 add)
+{
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return (i32x8)_mm256_dpwssd_epi32((__m256i)add, (__m256i)w, (__m256i)q);
+#elif defined(__AVX2__)
+    return add + (i32x8)_mm256_madd_epi16((__m256i)w, (__m256i)q);
+#else
+    for (int l = 0; l < 8; l++) add[l] += (int32_t)w[2 * l] * q[2 * l] + (int32_t)w[2 * l + 1] * q[2 * l + 1];
+    return add;
+#endif
+}
+
+int gguf_linear_body(void)
+{
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Values per block and bytes per block of `type`, or 0 for a type without a kernel. */
+static int64_t block_values(int type)
+{
+    return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K ? SUPER
+           : type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q8_0
+               ? RUN : 0;
+}
+
+static int64_t block_bytes(int type)
+{
+    switch (type) {
+    case GGML_Q4_0: return 18;
+    case GGML_Q4_1: return 20;
+    case GGML_Q5_0: return 22;
+    case GGML_Q5_1: return 24;
+    case GGML_Q8_0: return 34;
+    case GGML_Q4_K: return 144;
+    case GGML_Q5_K: return 176;
+    case GGML_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* Row m of x (in_features values of `dtype`) as runs of 32 quantized activations. */
+static void quantize_row(const void *x, int dtype, int64_t m, int64_t in_features, struct QuantizedRun *runs)
+{
+    const char *row = (const char *)x + m * in_features * dtype_size(dtype);
+    for (int64_t k = 0; k < in_features; k += RUN) {
+        float v[RUN], amax = 0.f;
+        load_row(row + k * dtype_size(dtype), dtype, v, RUN);
+        for (int i = 0; i < RUN; i++) amax = fmaxf(amax, fabsf(v[i]));
+        struct QuantizedRun *r = &runs[k / RUN];
+        r->d = amax / 32767.f;
+        const float inverse = amax > 0.f ? 32767.f / amax : 0.f;
+        int32_t sums[2] = {0, 0};
+        for (int i = 0; i < RUN; i++) {
+            const int16_t q = (int16_t)nearbyintf(v[i] * inverse);
+            r->q[i / 16][i % 16] = q;
+            sums[i / 16] += q;
+        }
+        r->scaled_sum[0] = r->d * (float)sums[0];
+        r->scaled_sum[1] = r->d * (float)sums[1];
+    }
+}
+
+static inline float sum_lanes(f32x8 v)
+{
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+/* sums[f][r]: weight rows w[f] (f < features) dotted with activation rows row0 + r (r < rows).
+ * Several weight rows at once keep independent accumulators (one row alone waits on its FMA's
+ * latency every run) and more weight streams in flight. */
+static inline __attribute__((always_inline)) void dots(
+    const int type, const uint8_t *const w[MAX_FEATURES], int64_t blocks, const struct QuantizedRun *x,
+    int64_t runs_per_row, int64_t row0, const int features, const int rows, float sums[MAX_FEATURES][MAX_ROW_GROUP])
+{
+    const int runs_per_block = (int)(block_values(type) / RUN);
+    const int64_t bytes = block_bytes(type);
+    f32x8 acc[MAX_FEATURES][MAX_ROW_GROUP] = {{{0}}};
+    float offsets[MAX_FEATURES][MAX_ROW_GROUP] = {{0}};
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int j = 0; j < runs_per_block; j++) {
+            struct DecodedRun run[MAX_FEATURES];
+            i16x16 low_half[MAX_FEATURES], high_half[MAX_FEATURES];
+            for (int f = 0; f < features; f++) {
+                decode_run(type, w[f] + b * bytes, j, &run[f]);
+                low_half[f] = widen(run[f].u[0], type == GGML_Q8_0);
+                high_half[f] = widen(run[f].u[1], type == GGML_Q8_0);
+            }
+            for (int r = 0; r < rows; r++) {
+                const struct QuantizedRun *a = &x[(row0 + r) * runs_per_row + b * runs_per_block + j];
+                for (int f = 0; f < features; f++) {
+                    const i32x8 zero = {0};
+                    if (type == GGML_Q6_K) { /* a scale per half: the halves' sums stay apart */
+                        const i32x8 low = multiply_add_pairs(low_half[f], a->q[0], zero);
+                        const i32x8 high = multiply_add_pairs(high_half[f], a->q[1], zero);
+                        acc[f][r] += __builtin_convertvector(low, f32x8) * (run[f].scale[0] * a->d)
+                                     + __builtin_convertvector(high, f32x8) * (run[f].scale[1] * a->d);
+                    } else {
+                        const i32x8 both = multiply_add_pairs(high_half[f], a->q[1],
+                                                              multiply_add_pairs(low_half[f], a->q[0], zero));
+                        acc[f][r] += __builtin_convertvector(both, f32x8) * (run[f].scale[0] * a->d);
+                    }
+                    if (type != GGML_Q8_0)
+                        offsets[f][r] += run[f].offset[0] * a->scaled_sum[0] + run[f].offset[1] * a->scaled_sum[1];
+                }
+            }
+        }
+    }
+    for (int f = 0; f < features; f++)
+        for (int r = 0; r < rows; r++) sums[f][r] = sum_lanes(acc[f][r]) + offsets[f][r];
+}
+
+/* Outputs n .. n + features of every activation row: weight rows in groups of up to
+ * MAX_FEATURES, activation rows MAX_ROW_GROUP at a time (the weight rows stay in L1 between
+ * groups). Inlined with constant counts so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void output_features(
+    const int type, const uint8_t *weight, int64_t n, const int features, int64_t blocks, int64_t row_bytes,
+    const struct QuantizedRun *x, int64_t runs_per_row, int64_t rows, const float *bias, char *out,
+    int64_t out_stride, int out_dtype)
+{
+    const uint8_t *w[MAX_FEATURES];
+    for (int f = 0; f < features; f++) {
+        w[f] = weight + (n + f) * row_bytes;
+        __builtin_prefetch(w[f] + PREFETCH_AHEAD * row_bytes, 0, 0);
+    }
+    const size_t item = dtype_size(out_dtype);
+    for (int64_t row = 0; row < rows; row += MAX_ROW_GROUP) {
+        float sums[MAX_FEATURES][MAX_ROW_GROUP];
+        const int count = rows - row < MAX_ROW_GROUP ? (int)(rows - row) : MAX_ROW_GROUP;
+#define DOTS(FEATURES, ROWS) dots(type, w, blocks, x, runs_per_row, row, FEATURES, ROWS, sums)
+        if (features == MAX_FEATURES) {
+            switch (count) {
+            case 1: DOTS(MAX_FEATURES, 1); break;
+            case 2: DOTS(MAX_FEATURES, 2); break;
+            case 3: DOTS(MAX_FEATURES, 3); break;
+            default: DOTS(MAX_FEATURES, 4);
+            }
+        } else {
+            switch (count) {
+            case 1: DOTS(1, 1); break;
+            case 2: DOTS(1, 2); break;
+            case 3: DOTS(1, 3); break;
+            default: DOTS(1, 4);
+            }
+        }
+#undef DOTS
+        for (int f = 0; f < features; f++)
+            for (int r = 0; r < count; r++)
+                store_float(out + ((row + r) * out_stride + n + f) * item, out_dtype,
+                            sums[f][r] + (bias ? bias[n + f] : 0.f));
+    }
+}
+
+/* One part: out[m, n] for n < out_features, out rows `out_stride` values apart. */
+static void linear_part(
+    int type, const uint8_t *weight, int64_t out_features, int64_t in_features, const struct QuantizedRun *x,
+    int64_t rows, const float *bias, char *out, int64_t out_stride, int out_dtype, int num_threads)
+{
+    const int64_t blocks = in_features / block_values(type), row_bytes = blocks * block_bytes(type);
+    const int64_t runs_per_row = in_features / RUN;
+    /* Whole groups of MAX_FEATURES rows, then the rest one by one. */
+    const int64_t groups = out_features / MAX_FEATURES;
+#define FEATURES(TYPE)                                                                                        \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                                    \
+    for (int64_t g = 0; g < groups + out_features % MAX_FEATURES; g++) {                                     \
+        if (g < groups)                                                                                       \
+            output_features(TYPE, weight, g * MAX_FEATURES, MAX_FEATURES, blocks, row_bytes, x, runs_per_row, \
+                            rows, bias, out, out_stride, out_dtype);                                          \
+        else                                                                                                  \
+            output_features(TYPE, weight, groups * MAX_FEATURES + (g - groups), 1, blocks, row_bytes, x,      \
+                            runs_per_row, rows, bias, out, out_stride, out_dtype);                            \
+    }
+    switch (type) {
+    case GGML_Q4_0: FEATURES(GGML_Q4_0) break;
+    case GGML_Q4_1: FEATURES(GGML_Q4_1) break;
+    case GGML_Q5_0: FEATURES(GGML_Q5_0) break;
+    case GGML_Q5_1: FEATURES(GGML_Q5_1) break;
+    case GGML_Q8_0: FEATURES(GGML_Q8_0) break;
+    case GGML_Q4_K: FEATURES(GGML_Q4_K) break;
+    case GGML_Q5_K: FEATURES(GGML_Q5_K) break;
+    case GGML_Q6_K: FEATURES(GGML_Q6_K) break;
+    }
+#undef FEATURES
+}
+
+int gguf_linear_supports(int type, int64_t in_features)
+{
+    return block_values(type) != 0 && in_features % block_values(type) == 0;
+}
+
+/* out[m, :] = x[m, :] W^T + bias for m < rows: W is the parts of `matrix` stacked by rows, x in
+ * `x_dtype` [rows, in_features], bias float32 [all parts' rows] or NULL, out [rows, all parts'
+ * rows] in `out_dtype`, all contiguous. Returns GGUF_OK, GGUF_UNSUPPORTED_TYPE, GGUF_BAD_SHAPE
+ * (in_features is not whole blocks of some part) or GGUF_NO_MEMORY, before writing anything. */
+int quantized_linear(const struct QuantizedMatrix *matrix, const void *x, int x_dtype, int64_t rows,
+                     int64_t in_features, const float *bias, void *out, int out_dtype, int num_threads)
+{
+    int64_t out_features = 0;
+    for (int p = 0; p < matrix->parts; p++) {
+        if (!block_values(matrix->types[p])) return GGUF_UNSUPPORTED_TYPE;
+        if (!gguf_linear_supports(matrix->types[p], in_features)) return GGUF_BAD_SHAPE;
+        out_features += matrix->rows[p];
+    }
+    const int64_t runs_per_row = in_features / RUN;
+    /* Aligned for the vector loads of QuantizedRun.q (malloc guarantees 16 bytes). */
+    struct QuantizedRun *quantized = aligned_alloc(_Alignof(struct QuantizedRun),
+                                                   sizeof *quantized * (size_t)(rows * runs_per_row));
+    if (!quantized) return GGUF_NO_MEMORY;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t m = 0; m < rows; m++) quantize_row(x, x_dtype, m, in_features, quantized + m * runs_per_row);
+    int64_t column = 0;
+    for (int p = 0; p < matrix->parts; p++) {
+        linear_part(matrix->types[p], matrix->data[p], matrix->rows[p], in_features, quantized, rows,
+                    bias ? bias + column : NULL, (char *)out + column * dtype_size(out_dtype), out_features,
+                    out_dtype, num_threads);
+        column += matrix->rows[p];
+    }
+    free(quantized);
+    return GGUF_OK;
+}
+
+/* out = the float values of `rows` rows of `cols` values each, stored as `type` blocks, rounded
+ * to `out_dtype`: exactly ggml's float32 dequantization, so no multiply-add is fused. */
+__attribute__((optimize("fp-contract=off"))) int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, void *out, int out_dtype,
+                    int num_threads)
+{
+    if (!block_values(type)) return GGUF_UNSUPPORTED_TYPE;
+    if (cols % block_values(type)) return GGUF_BAD_SHAPE;
+    const int64_t runs_per_row = cols / RUN, runs_per_block = block_values(type) / RUN;
+    const int64_t row_bytes = cols / block_values(type) * block_bytes(type);
+    const size_t item = dtype_size(out_dtype);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t n = 0; n < rows; n++) {
+        for (int64_t k = 0; k < runs_per_row; k++) {
+            struct DecodedRun run;
+            decode_run(type, data + n * row_bytes + k / runs_per_block * block_bytes(type), (int)(k % runs_per_block),
+                       &run);
+            float values[RUN];
+            for (int i = 0; i < RUN; i++) {
+                const float scale = run.scale[i / 16];
+                const uint8_t u = run.u[i / 16][i % 16];
+                if (type == GGML_Q8_0) values[i] = scale * (float)(int8_t)u;
+                else if (run.zero) values[i] = scale * (float)((int)u - run.zero);
+                else values[i] = scale * (float)u + run.offset[i / 16];
+            }
+            store_row(values, out_dtype, (char *)out + (n * cols + k * RUN) * item, RUN);
+        }
+    }
+    return GGUF_OK;
+}

@@ -1,0 +1,145 @@
+"""``x W^T + b`` on weights kept in the quantized blocks a GGUF file stores them in
+(``csrc/gguf_linear.c``: the activations quantized to int16 per run of 32), and
+the blocks' dequantization; tested against the ``gguf`` package's numpy dequantization.
+
+A weight is a ``QuantizedMatrix``: up to three row ranges (``QuantizedPart``), each of one block
+type, stacked by rows, so a merged q/k/v whose parts a file stores in different types is still one
+call.
+"""
+
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.kernels import native
+
+# ggml's type codes (ggml.h) of the block formats the kernels read, by the names GGUF tools print.
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+TYPE_NAMES = {code: name for name, code in TYPES.items()}
+MAX_PARTS = 3
+
+_BODIES = {2: "AVX512-VNNI int16 dot products", 1: "AVX2 int16 dot products", 0: "portable C"}
+# csrc/gguf_linear.c's status codes.
+_NO_MEMORY, _UNSUPPORTED_TYPE, _BAD_SHAPE = -1, -2, -3
+
+
+class MatrixStruct(ctypes.Structure):
+    """``struct QuantizedMatrix`` of ``csrc/kernels.h``."""
+
+    _fields_ = [
+        ("parts", ctypes.c_int32),
+        ("types", ctypes.c_int32 * MAX_PARTS),
+        ("rows", ctypes.c_int64 * MAX_PARTS),
+        ("data", ctypes.c_void_p * MAX_PARTS),
+    ]
+
+
+@dataclass(frozen=True)
+class QuantizedPart:
+    """Rows of a weight matrix as blocks of ggml type ``type``: ``data`` is uint8
+    ``[rows, bytes per row]``, contiguous."""
+
+    data: torch.Tensor
+    type: int
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+
+@dataclass
+class QuantizedMatrix:
+    """A weight ``[out_features, in_features]`` stored as ``parts`` stacked by rows."""
+
+    parts: list[QuantizedPart]
+    in_features: int
+    struct: MatrixStruct = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.parts) <= MAX_PARTS:
+            raise ValueError(f"a quantized matrix has 1 to {MAX_PARTS} parts, got {len(self.parts)}")
+        for part in self.parts:
+            if not supports(part.type, self.in_features):
+                name = TYPE_NAMES.get(part.type, f"ggml type {part.type}")
+                raise ValueError(f"no kernel takes {name} rows of {self.in_features} values")
+            if part.data.dtype != torch.uint8 or part.data.dim() != 2 or not part.data.is_contiguous():
+                raise ValueError("a quantized part's data must be a contiguous uint8 [rows, bytes per row] tensor")
+        self.struct = MatrixStruct(
+            len(self.parts),
+            (ctypes.c_int32 * MAX_PARTS)(*[part.type for part in self.parts]),
+            (ctypes.c_int64 * MAX_PARTS)(*[part.rows for part in self.parts]),
+            (ctypes.c_void_p * MAX_PARTS)(*[part.data.data_ptr() for part in self.parts]),
+        )
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.rows for part in self.parts)
+
+    def nbytes(self) -> int:
+        return sum(part.data.numel() for part in self.parts)
+
+
+def supports(ggml_type: int, in_features: int) -> bool:
+    """Whether a kernel takes rows of ``in_features`` values of ``ggml_type`` blocks: a type of
+    ``TYPES`` and whole blocks per row, on a machine where the C kernels built."""
+    library = native.load_library()
+    return library is not None and bool(library.gguf_linear_supports(ggml_type, in_features))
+
+
+def body() -> str:
+    """Which byte dot product this CPU's build runs (for the log)."""
+    return _BODIES[native.load_library().gguf_linear_body()]
+
+
+def linear(
+    x: torch.Tensor, matrix: QuantizedMatrix, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``x W^T + b`` for ``x`` ``[rows, in_features]`` (float32, bfloat16 or float16) with the
+    activations quantized to int16 per run of 32, accumulated in float32 and rounded once to
+    ``out_dtype`` (default ``x``'s); ``bias`` float32 or None."""
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != matrix.in_features or x.dtype not in native.DTYPE_CODES:
+        raise ValueError(
+            f"quantized linear needs CPU rows of {matrix.in_features} features in "
+            f"{', '.join(map(str, native.DTYPE_CODES))}; got {list(x.shape)} {x.dtype} on {x.device}"
+        )
+    x = x.contiguous()
+    out_dtype = out_dtype or x.dtype
+    if bias is not None:
+        bias = bias.float().contiguous()
+    out = torch.empty(x.shape[0], matrix.out_features, dtype=out_dtype)
+    status = native.load_library().quantized_linear(
+        ctypes.byref(matrix.struct), x.data_ptr(), native.DTYPE_CODES[x.dtype], x.shape[0], x.shape[1],
+        None if bias is None else bias.data_ptr(), out.data_ptr(), native.DTYPE_CODES[out_dtype],
+        torch.get_num_threads(),
+    )
+    _raise_for(status)
+    return out
+
+
+def dequantize(matrix: QuantizedMatrix, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight ``[out_features, in_features]`` in ``dtype``: ggml's float32 values, rounded."""
+    out = torch.empty(matrix.out_features, matrix.in_features, dtype=dtype)
+    start = 0
+    for part in matrix.parts:
+        dequantize_rows(part, matrix.in_features, out[start : start + part.rows])
+        start += part.rows
+    return out
+
+
+def dequantize_rows(part: QuantizedPart, in_features: int, out: torch.Tensor) -> None:
+    """Write the float values of ``part``'s rows into the contiguous ``out`` ``[rows, in_features]``."""
+    if out.shape != (part.rows, in_features) or not out.is_contiguous() or out.dtype not in native.DTYPE_CODES:
+        raise ValueError(f"dequantize_rows needs a contiguous [{part.rows}, {in_features}] float output")
+    status = native.load_library().gguf_dequantize(
+        part.data.data_ptr(), part.type, part.rows, in_features, out.data_ptr(), native.DTYPE_CODES[out.dtype],
+        torch.get_num_threads(),
+    )
+    _raise_for(status)
+
+
+def _raise_for(status: int) -> None:
+    if status == _NO_MEMORY:
+        raise MemoryError("the quantized linear could not allocate its int16 copy of the activations")
+    if status in (_UNSUPPORTED_TYPE, _BAD_SHAPE):
+        raise ValueError("no kernel takes this block type and row length")  # QuantizedMatrix checks first

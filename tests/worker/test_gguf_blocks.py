@@ -1,0 +1,128 @@
+"""GGUF models whose linears keep the file's blocks (``--quantization gguf``): the blocks are the
+converted weights once dequantized (the Llama q/k row order undone, merged layers stacked, the
+tied head shared), greedy decoding gives HF's tokens on those weights or differs first where HF
+itself nearly ties, and the fused decode halves give exactly the module path's logits."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from strata.kernels import gguf_linear, native
+from strata.worker.gguf_weights import GgufTensor
+from strata.worker.llama import LlamaForCausalLM
+from strata.worker.model_loader import quantized_weights_file, resolve_model_path
+
+from worker_helpers import PagedRunner, greedy_decode, load_gguf_blocks
+
+pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the CPU kernels")
+
+NUM_TOKENS = 32
+NEAR_TIE = 1e-2  # logits of HF's reference this close may order either way after int8 activations
+QUESTIONS = ["Write a short poem about the sea.", "Explain what a CPU does."]
+
+
+def chat_prompts(model_dir: Path) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False))
+        for question in QUESTIONS
+    ]
+
+
+def assert_greedy_equal_up_to_a_near_tie(hf: PreTrainedModel, prompts: list[list[int]], ours: list[list[int]]) -> None:
+    """Each of ``ours`` equals HF's greedy continuation, or the first token that differs was
+    within ``NEAR_TIE`` of HF's best logit at that position."""
+    for prompt, tokens in zip(prompts, ours):
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        for position, token in enumerate(tokens):
+            best = int(logits[position].argmax())
+            if best != token:
+                gap = float(logits[position, best] - logits[position, token])
+                assert gap <= NEAR_TIE, f"token {position}: ours {token}, HF {best}, {gap:.3g} apart in HF's logits"
+                break
+
+
+@pytest.fixture(scope="module")
+def default_model() -> Iterator[LlamaForCausalLM]:
+    yield load_gguf_blocks(None)
+
+
+def test_the_linears_blocks_are_the_converted_weights(default_model: LlamaForCausalLM) -> None:
+    model_dir = resolve_model_path(None)
+    with safe_open(model_dir / "model.safetensors", framework="pt") as converted:
+        layer = default_model.model.layers[7]
+        expected = {
+            "self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            "self_attn.o_proj": ["self_attn.o_proj"],
+            "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+            "mlp.down_proj": ["mlp.down_proj"],
+        }
+        for ours, theirs in expected.items():
+            blocks = layer.get_submodule(ours).quantized.matrix
+            weight = torch.cat([converted.get_tensor(f"model.layers.7.{name}.weight") for name in theirs])
+            assert torch.equal(gguf_linear.dequantize(blocks), weight), ours
+        embedding = default_model.model.embed_tokens
+        assert torch.equal(gguf_linear.dequantize(embedding.quantized.matrix), converted.get_tensor("model.embed_tokens.weight"))
+    assert default_model.lm_head.quantized is embedding.quantized, "the tied head multiplies the embedding's blocks"
+    assert all(parameter.dtype == torch.float32 for parameter in default_model.parameters()), "only norms stay floats"
+
+
+def test_the_default_model_decodes_hfs_greedy_tokens_up_to_a_near_tie(default_model: LlamaForCausalLM) -> None:
+    model_dir = resolve_model_path(None)
+    prompts = chat_prompts(model_dir)
+    tokens, _ = greedy_decode(PagedRunner(default_model), prompts, NUM_TOKENS)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert_greedy_equal_up_to_a_near_tie(hf, prompts, tokens)
+
+
+def test_fused_halves_on_blocks_give_exactly_the_module_logits(default_model: LlamaForCausalLM) -> None:
+    prompts = [[1, 510, 3543, 282], [1, 19, 253]]  # a prefill of 7 rows, then decode steps of 2: all fused
+    fused_tokens, fused_logits = greedy_decode(PagedRunner(default_model), prompts, 4)
+    layers = default_model.model.layers
+    fused = [layer.fused for layer in layers]
+    assert all(fused), "every Llama layer on blocks is fused"
+    try:
+        for layer in layers:
+            layer.fused = None
+        tokens, logits = greedy_decode(PagedRunner(default_model), prompts, 4)
+    finally:
+        for layer, halves in zip(layers, fused):
+            layer.fused = halves
+    assert fused_tokens == tokens
+    assert torch.equal(fused_logits, logits)
+
+
+def test_gemma3_270m_blocks_of_four_types_decode_hfs_greedy_tokens_up_to_a_near_tie() -> None:
+    model = load_gguf_blocks("gemma3-270m")
+    types = {part.type for layer in model.model.layers for part in layer.self_attn.qkv_proj.quantized.matrix.parts}
+    types |= {layer.mlp.down_proj.quantized.matrix.parts[0].type for layer in model.model.layers}
+    assert {gguf_linear.TYPE_NAMES[t] for t in types} == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    model_dir = resolve_model_path("gemma3-270m")
+    prompts = chat_prompts(model_dir)
+    tokens, _ = greedy_decode(PagedRunner(model), prompts, NUM_TOKENS)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert_greedy_equal_up_to_a_near_tie(hf, prompts, tokens)
+
+
+def test_a_shard_that_splits_a_block_is_refused_naming_the_way_out() -> None:
+    q4_k = gguf_linear.TYPES["Q4_K"]
+    tensor = GgufTensor("model.layers.0.mlp.down_proj.weight", q4_k, (4, 512), torch.zeros(4, 288, dtype=torch.uint8).numpy())
+    with pytest.raises(ValueError, match=r"Q4_K blocks hold 256 values, so columns 128:384 .* --quantization none"):
+        tensor.columns(slice(128, 384))
+
+
+@pytest.mark.parametrize(
+    ("gguf", "device", "obstacle"),
+    [(None, "cpu", "the model is not a GGUF file"), ("model.gguf", "cuda", "GGUF blocks are multiplied by CPU kernels")],
+    ids=["not-gguf", "not-cpu"],
+)
+def test_quantization_gguf_where_it_cannot_run_is_refused_saying_why(gguf: str | None, device: str, obstacle: str) -> None:
+    with pytest.raises(ValueError, match=f"--quantization gguf: {obstacle}"):
+        quantized_weights_file("gguf", gguf, device)
+    assert quantized_weights_file("auto", gguf, device) is None
