@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -254,6 +255,14 @@ def load_model(
     else:
         model.load_weights(_read_safetensors(Path(path)))
     return model.eval()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """The bytes of this rank's weights as loaded: its parameters and the GGUF blocks its layers
+    keep (a tied head's counted once)."""
+    blocks = {id(module.quantized): module.quantized.matrix.nbytes() for module in model.modules()
+              if getattr(module, "quantized", None) is not None}
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(blocks.values())
 
 
 def quantized_weights_file(quantization: str, gguf: str | None, device: torch.device | str) -> Path | None:

