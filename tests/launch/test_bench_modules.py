@@ -12,7 +12,9 @@ from strata.launch.bench import compare_vllm_driver
 from strata.launch.bench.dp_routing import DEFAULT_LOAD, DEFAULT_POLICIES, parse_args
 from strata.launch.cli.main import build_parser
 
-MODULES = ("compare_vllm", "compare_vllm_serve", "compare_vllm_driver", "step_profile", "dp_routing", "speculative")
+MODULES = (
+    "compare_vllm", "compare_vllm_serve", "compare_vllm_driver", "step_profile", "dp_routing", "speculative", "memory_bound",
+)
 
 
 @pytest.mark.parametrize("name", MODULES)
