@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from strata.kernels import gguf_linear
+from strata.worker.gguf_index import TensorEntry, read_index
 
 logger = logging.getLogger(__name__)
 
@@ -70,32 +71,35 @@ class GgufFile:
     """A GGUF file's tensors under the converted directory's (HF) names."""
 
     def __init__(self, path: Path, config: PreTrainedConfig) -> None:
-        reader = gguf.GGUFReader(path)
+        index = read_index(path)
         self.path = path
-        self.architecture = str(reader.fields["general.architecture"].contents())
+        self.architecture = index.architecture
         self.config = config
-        self.tensors = {tensor.name: tensor for tensor in reader.tensors}
+        self.tensors = index.tensors
         self.name_map = gguf.get_tensor_name_map(_architecture_id(self.architecture), config.num_hidden_layers)
 
     def quantized(self, name: str) -> GgufTensor | None:
         """Checkpoint tensor ``name`` if the file stores it as a matrix of blocks, else None."""
         file_name = self.name_map.get_name(name, try_suffixes=(".weight", ".bias"))
-        tensor = self.tensors.get(file_name) if file_name else None
-        if tensor is None or tensor.tensor_type in FLOAT_TYPES or len(tensor.shape) != 2:
+        entry = self.tensors.get(file_name) if file_name else None
+        if entry is None or not _is_block_matrix(entry):
             return None
-        cols, rows = (int(n) for n in tensor.shape)  # GGUF lists the innermost dimension first
-        row_order = _row_order(self.architecture, file_name, rows, self.config)
-        return GgufTensor(name, int(tensor.tensor_type), (rows, cols), tensor.data, row_order)
+        cols, rows = entry.shape
+        values, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(entry.type)]
+        data = np.memmap(self.path, np.uint8, "r", offset=entry.offset, shape=(rows, cols // values * nbytes))
+        return GgufTensor(name, entry.type, (rows, cols), data, _row_order(self.architecture, file_name, rows, self.config))
 
     def types_without_kernel(self) -> set[str]:
         """The block types of the file's matrices that no kernel of ``kernels.gguf_linear`` takes."""
         return {
-            tensor.tensor_type.name
-            for tensor in self.tensors.values()
-            if tensor.tensor_type not in FLOAT_TYPES
-            and len(tensor.shape) == 2
-            and not gguf_linear.supports(int(tensor.tensor_type), int(tensor.shape[0]))
+            gguf.GGMLQuantizationType(entry.type).name
+            for entry in self.tensors.values()
+            if _is_block_matrix(entry) and not gguf_linear.supports(entry.type, entry.shape[0])
         }
+
+
+def _is_block_matrix(entry: TensorEntry) -> bool:
+    return entry.type not in FLOAT_TYPES and len(entry.shape) == 2
 
 
 def _architecture_id(name: str) -> "gguf.MODEL_ARCH":

@@ -45,11 +45,11 @@ typedef int16_t i16x16 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef float f32x8 __attribute__((vector_size(32)));
 
-/* 32 activations quantized: x_i ~= d q_i, with d times the sum of q over each half (what a
- * run's offsets multiply). */
+/* 32 activations quantized: x_i ~= d q_i, with d times the sum of q over each half and over
+ * the run (what a run's offsets multiply). */
 struct QuantizedRun {
     i16x16 q[2];
-    float d, scaled_sum[2];
+    float d, scaled_sum[2], scaled_total;
 };
 
 /* 32 weights decoded, as two halves of 16: w_i = scale[h] u[h][i % 16] + offset[h] with
@@ -252,6 +252,7 @@ static void quantize_row(const void *x, int dtype, int64_t m, int64_t in_feature
         }
         r->scaled_sum[0] = r->d * (float)sums[0];
         r->scaled_sum[1] = r->d * (float)sums[1];
+        r->scaled_total = r->d * (float)(sums[0] + sums[1]);
     }
 }
 
@@ -294,8 +295,10 @@ static inline __attribute__((always_inline)) void dots(
                                                               multiply_add_pairs(low_half[f], a->q[0], zero));
                         acc[f][r] += __builtin_convertvector(both, f32x8) * (run[f].scale[0] * a->d);
                     }
-                    if (type != GGML_Q8_0)
+                    if (type == GGML_Q6_K)
                         offsets[f][r] += run[f].offset[0] * a->scaled_sum[0] + run[f].offset[1] * a->scaled_sum[1];
+                    else if (type != GGML_Q8_0) /* one offset for the whole run */
+                        offsets[f][r] += run[f].offset[0] * a->scaled_total;
                 }
             }
         }
