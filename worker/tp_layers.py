@@ -249,7 +249,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = min(tp.rank * rows_per_rank, vocab_size)
         self.vocab_end = min(self.vocab_start + rows_per_rank, vocab_size)
         self.rows_per_rank, self.hidden_size, self.dtype = rows_per_rank, hidden_size, torch.get_default_dtype()
-        self.weight = nn.Parameter(torch.zeros(rows_per_rank, hidden_size), requires_grad=False)
+        # Not zeros: a layer on GGUF blocks never touches (so never holds) these pages.
+        self.weight = nn.Parameter(torch.empty(rows_per_rank, hidden_size), requires_grad=False)
         self.quantized: QuantizedWeight | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -285,6 +286,7 @@ class VocabParallelEmbedding(nn.Module):
             self.weight = None
             return
         copy_shard(self.weight.data[:rows], read_shard(source, full_shape, slice(self.vocab_start, self.vocab_end)))
+        self.weight.data[rows:].zero_()
 
 
 class ParallelLMHead(VocabParallelEmbedding):

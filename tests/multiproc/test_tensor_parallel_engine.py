@@ -43,7 +43,10 @@ def test_default_model_tp2_prompt_logprobs_equal_tp1():
     for sharded, alone in zip(prompt_logprobs(executor="mp", tensor_parallel_size=2), single):
         assert sharded[0] is None and len(sharded) == len(alone)
         for entry, expected in zip(sharded[1:], alone[1:]):
-            assert entry == pytest.approx(expected, abs=1e-3)
+            # On the GGUF blocks the ranks' float32 sums, added in another order, can tip an
+            # activation's int16 rounding in a later layer: 1.1e-3 measured; a rank's logits
+            # missing or misplaced are off by whole units.
+            assert entry == pytest.approx(expected, abs=5e-3)
 
 
 def test_default_model_tp2_with_ngram_drafts_equals_tp1_without():

@@ -16,7 +16,8 @@ TOLERANCE = 1e-3  # float32 server vs float32 HF
 
 @pytest.fixture(scope="module")
 def server(log_dir):
-    with running_server(log_dir, "--dtype", "float32") as server:
+    # The converted (dequantized) weights HF runs: only the kernels differ.
+    with running_server(log_dir, "--dtype", "float32", "--quantization", "none") as server:
         yield server
 
 
