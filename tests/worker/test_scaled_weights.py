@@ -1,0 +1,70 @@
+"""8-bit linears (``--quantization fp8 | fp8-weight-only | int8``, ``worker/scaled_weights.py``):
+a tiny random Llama computes what the same model with its 8-bit weights dequantized into float32
+computes, whether the weights were quantized at load or stored by an FP8 checkpoint, and the
+start-up refuses what cannot run.
+
+On the CPU the weight-only linears run the dequantized torch computation, which multiplies by
+the scales after the sums instead of before: the logits differ from the dequantized model's by
+float32 rounding only."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from model_factory import random_prompts, save_fp8_checkpoint, save_tiny_model, tiny_llama_config
+from strata.kernels import reference
+from strata.worker.scaled_weights import ScaledScheme, checkpoint_is_fp8, scaled_scheme
+from worker_helpers import PagedRunner, greedy_decode, load_ours, load_scaled
+
+PROMPT_LENGTHS = [5, 12]
+DECODE_TOKENS = 8
+INT8 = ScaledScheme(torch.int8, w8a8=False)
+FP8_WEIGHT_ONLY = ScaledScheme(torch.float8_e4m3fn, w8a8=False)
+
+
+def _decode(model) -> tuple[list[list[int]], torch.Tensor]:
+    return greedy_decode(PagedRunner(model), random_prompts(PROMPT_LENGTHS, model.vocab_size), DECODE_TOKENS)
+
+
+def _save_dequantized(source: Path, target: Path, dtype: torch.dtype) -> None:
+    """``source``'s model with every projection quantized per channel to ``dtype`` and dequantized
+    back into float32: what a model quantized at load stands for."""
+    model = save_tiny_model(tiny_llama_config(attention_bias=True, mlp_bias=True), source)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.weight"):
+                weight, scale = reference.quantize_per_channel(param, dtype)
+                param.copy_(weight.float() * scale[:, None])
+    model.save_pretrained(target)
+
+
+@pytest.mark.parametrize("scheme", [INT8, FP8_WEIGHT_ONLY], ids=["int8", "fp8-weight-only"])
+def test_model_quantized_at_load_decodes_the_tokens_of_its_dequantized_weights(scheme: ScaledScheme, tmp_path: Path) -> None:
+    _save_dequantized(tmp_path / "model", tmp_path / "dequantized", scheme.weight_dtype)
+    quantized = load_scaled(tmp_path / "model", scheme)
+    assert quantized.model.layers[0].mlp.down_proj.scaled.weight.dtype == scheme.weight_dtype
+    tokens, logits = _decode(quantized)
+    expected_tokens, expected_logits = _decode(load_ours(tmp_path / "dequantized"))
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_compressed_tensors_checkpoint_keeps_its_fp8_weights_and_decodes_their_dequantized_tokens(
+    strategy: str, tmp_path: Path
+) -> None:
+    save_fp8_checkpoint(tiny_llama_config(), tmp_path / "fp8", tmp_path / "dequantized", strategy)
+    assert checkpoint_is_fp8(tmp_path / "fp8")
+    model = load_scaled(tmp_path / "fp8", ScaledScheme(torch.float8_e4m3fn, w8a8=False, from_checkpoint=True))
+    with safe_open(tmp_path / "fp8" / "model.safetensors", framework="pt") as stored:
+        k_proj = stored.get_tensor("model.layers.1.self_attn.k_proj.weight")
+    qkv = model.model.layers[1].self_attn.qkv_proj.scaled
+    q_rows = qkv.weight.shape[0] - 2 * k_proj.shape[0]
+    assert torch.equal(qkv.weight[q_rows : q_rows + k_proj.shape[0]].view(torch.uint8), k_proj.view(torch.uint8))
+    tokens, logits = _decode(model)
+    expected_tokens, expected_logits = _decode(load_ours(tmp_path / "dequantized"))
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
