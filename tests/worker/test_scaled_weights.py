@@ -68,3 +68,35 @@ def test_compressed_tensors_checkpoint_keeps_its_fp8_weights_and_decodes_their_d
     expected_tokens, expected_logits = _decode(load_ours(tmp_path / "dequantized"))
     assert tokens == expected_tokens
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_w8a8_checkpoint_with_static_activation_scales_keeps_them(tmp_path: Path) -> None:
+    save_fp8_checkpoint(tiny_llama_config(), tmp_path / "fp8", tmp_path / "dequantized", input_scale=0.05)
+    model = load_scaled(tmp_path / "fp8", ScaledScheme(torch.float8_e4m3fn, w8a8=True, from_checkpoint=True))
+    assert float(model.model.layers[0].self_attn.qkv_proj.scaled.input_scale) == pytest.approx(0.05)
+    assert model.lm_head.weight.dtype == torch.float32  # the head is left in the model dtype
+
+
+def test_fp8_on_the_cpu_is_a_start_up_error_that_names_int8(tmp_path: Path) -> None:
+    save_tiny_model(tiny_llama_config(), tmp_path)
+    with pytest.raises(ValueError, match="compute capability >= 8.9.*--quantization int8"):
+        scaled_scheme("fp8", tmp_path, "cpu")
+
+
+def test_int8_quantizes_at_load_on_the_cpu_and_auto_leaves_an_unquantized_checkpoint_alone(tmp_path: Path) -> None:
+    save_tiny_model(tiny_llama_config(), tmp_path)
+    assert scaled_scheme("int8", tmp_path, "cpu") == INT8
+    assert scaled_scheme("auto", tmp_path, "cpu") is None
+
+
+def test_fp8_checkpoint_under_int8_is_refused(tmp_path: Path) -> None:
+    save_fp8_checkpoint(tiny_llama_config(), tmp_path / "fp8", tmp_path / "dequantized")
+    with pytest.raises(ValueError, match="stores FP8 weights"):
+        scaled_scheme("int8", tmp_path / "fp8", "cpu")
+
+
+def test_block_wise_fp8_checkpoint_is_refused(tmp_path: Path) -> None:
+    config = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="block-wise FP8"):
+        checkpoint_is_fp8(tmp_path)
