@@ -16,8 +16,10 @@ from safetensors import safe_open
 
 from model_factory import random_prompts, save_fp8_checkpoint, save_tiny_model, tiny_llama_config
 from strata.kernels import reference
+from strata.worker.attention import TorchAttentionBackend
+from strata.worker.model_loader import load_model
 from strata.worker.scaled_weights import ScaledScheme, checkpoint_is_fp8, scaled_scheme
-from worker_helpers import PagedRunner, greedy_decode, load_ours, load_scaled
+from worker_helpers import SINGLE_RANK, PagedRunner, greedy_decode, load_ours, load_scaled
 
 PROMPT_LENGTHS = [5, 12]
 DECODE_TOKENS = 8
@@ -100,3 +102,27 @@ def test_block_wise_fp8_checkpoint_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="block-wise FP8"):
         checkpoint_is_fp8(tmp_path)
+
+
+def _prefill_logits(model) -> torch.Tensor:
+    runner = PagedRunner(model)
+    prompts = random_prompts(PROMPT_LENGTHS, model.vocab_size)
+    return torch.cat(runner.step([(runner.add_sequence(len(prompt)), prompt) for prompt in prompts])).float()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-weight-only", "int8", "fp8-checkpoint"])
+def test_8bit_models_on_the_gpu_point_their_logits_where_their_dequantized_weights_do(quantization: str, tmp_path: Path) -> None:
+    # bfloat16 on the GPU, where W8A8 also rounds every activation to FP8 (a relative 2**-4):
+    # the logits are compared by direction (a wrong scale, layout or shard gives ~0).
+    if quantization == "fp8-checkpoint":
+        save_fp8_checkpoint(tiny_llama_config(), tmp_path / "model", tmp_path / "dequantized")
+        scheme = scaled_scheme("auto", tmp_path / "model", "cuda")
+        assert scheme == ScaledScheme(torch.float8_e4m3fn, w8a8=True, from_checkpoint=True)
+    else:
+        weight_dtype = torch.int8 if quantization == "int8" else torch.float8_e4m3fn
+        _save_dequantized(tmp_path / "model", tmp_path / "dequantized", weight_dtype)
+        scheme = scaled_scheme(quantization, tmp_path / "model", "cuda")
+    logits = _prefill_logits(load_scaled(tmp_path / "model", scheme, device="cuda", dtype=torch.bfloat16))
+    expected = _prefill_logits(load_model(tmp_path / "dequantized", torch.bfloat16, SINGLE_RANK, TorchAttentionBackend(), "cuda"))
+    assert torch.nn.functional.cosine_similarity(logits, expected, dim=-1).min() > 0.99
