@@ -40,7 +40,7 @@ class ScaledScheme:
 
     def describe(self) -> str:
         kind = "FP8" if self.weight_dtype == torch.float8_e4m3fn else "INT8"
-        mode = "W8A8, activations quantized per token" if self.w8a8 else "weight-only"
+        mode = "W8A8 (activations in FP8: per token, or a checkpoint's static scale)" if self.w8a8 else "weight-only"
         source = "as the checkpoint stores them" if self.from_checkpoint else "quantized at load, per-channel scales"
         return f"{kind} {mode}, {source}"
 
