@@ -47,7 +47,7 @@ from strata.launch.bench.server_process import ServerProcess, free_port, strata_
 from strata.worker.attention import AttentionMetadata, get_attention_backend
 from strata.worker.cuda_graphs import CudaGraphRunner, PaddedDecode
 from strata.worker.input_batch import StepInputs
-from strata.worker.model_loader import load_model
+from strata.worker.model_loader import load_model, weight_bytes
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.scaled_weights import ScaledScheme
 
@@ -207,14 +207,14 @@ def decode_steps(plan: Plan, shape: str, config_dir: Path, bandwidth: float) -> 
     device, dtype = torch.device(plan.device), getattr(torch, plan.dtype)
     backend = get_attention_backend(None, device)
     model = load_model(config_dir, dtype, TensorParallel(0, 1), backend, device, "dummy")
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model_bytes = weight_bytes(model)
     generator = torch.Generator().manual_seed(0)
     for batch in plan.decode_batches:
         inputs = _decode_inputs(batch, plan.context, model.vocab_size, generator)
         caches = _kv_caches(model, batch * inputs.block_tables.shape[1], backend.cache_dtype(dtype), device)
         kv_bytes = batch * plan.context * sum(cache[:, 0, 0].numel() * cache.element_size() for cache in caches)
-        bound_s = (weight_bytes + kv_bytes) / bandwidth
-        row = {"shape": shape, "batch": batch, "context": plan.context, "weight_bytes": weight_bytes,
+        bound_s = (model_bytes + kv_bytes) / bandwidth
+        row = {"shape": shape, "batch": batch, "context": plan.context, "weight_bytes": model_bytes,
                "kv_bytes_read": kv_bytes, "memory_bound_ms": bound_s * 1e3}
         row |= _decode_ms(plan, model, caches, inputs, batch)
         best = row.get("graphs_ms", row["eager_ms"])
@@ -268,7 +268,7 @@ def quantized_decode(plan: Plan, config_dir: Path) -> Iterator[dict]:
             tokens_per_s = batch / times.get("graphs_ms", times["eager_ms"]) * 1e3
             baseline.setdefault(batch, tokens_per_s)
             yield {"shape": plan.quantized_shape, "linears": name, "batch": batch, "context": plan.context,
-                   "tokens_per_s": tokens_per_s, "speedup": tokens_per_s / baseline[batch]}
+                   "weight_bytes": weight_bytes(model), "tokens_per_s": tokens_per_s, "speedup": tokens_per_s / baseline[batch]}
         del model, caches
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -479,8 +479,8 @@ def _decode_lines(row: dict, results: dict) -> list[str]:
 
 def _quantized_decode_lines(row: dict, results: dict) -> list[str]:
     return [
-        f"| decode {row['shape']}, {row['linears']} linears, batch {row['batch']} x {row['context']} | "
-        f"{row['tokens_per_s']:.0f} tokens/s (**{row['speedup']:.2f}x** unquantized) | - | - |"
+        f"| decode {row['shape']}, {row['linears']} linears ({row['weight_bytes'] / 1e9:.2f} GB), batch {row['batch']} x "
+        f"{row['context']} | {row['tokens_per_s']:.0f} tokens/s (**{row['speedup']:.2f}x** unquantized) | - | - |"
     ]
 
 

@@ -265,11 +265,13 @@ def load_model(
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """The bytes of this rank's weights as loaded: its parameters and the GGUF blocks its layers
-    keep (a tied head's counted once)."""
+    """The bytes of this rank's weights as loaded: its parameters, the GGUF blocks its layers keep
+    (a tied head's counted once) and the 8-bit weights and scales of FP8/INT8 linears."""
     blocks = {id(module.quantized): module.quantized.matrix.nbytes() for module in model.modules()
               if getattr(module, "quantized", None) is not None}
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(blocks.values())
+    scaled = sum(module.scaled.weight.nbytes + module.scaled.scale.nbytes for module in model.modules()
+                 if getattr(module, "scaled", None) is not None)
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(blocks.values()) + scaled
 
 
 def quantized_weights_file(quantization: str, gguf: str | None, device: torch.device | str) -> Path | None:

@@ -17,8 +17,9 @@ from safetensors import safe_open
 from model_factory import random_prompts, save_fp8_checkpoint, save_tiny_model, tiny_llama_config
 from strata.kernels import reference
 from strata.worker.attention import TorchAttentionBackend
-from strata.worker.model_loader import load_model
+from strata.worker.model_loader import load_model, weight_bytes
 from strata.worker.scaled_weights import ScaledScheme, checkpoint_is_fp8, scaled_scheme
+from strata.worker.tp_layers import ColumnParallelLinear, RowParallelLinear
 from worker_helpers import SINGLE_RANK, PagedRunner, greedy_decode, load_ours, load_scaled
 
 PROMPT_LENGTHS = [5, 12]
@@ -126,3 +127,12 @@ def test_8bit_models_on_the_gpu_point_their_logits_where_their_dequantized_weigh
     logits = _prefill_logits(load_scaled(tmp_path / "model", scheme, device="cuda", dtype=torch.bfloat16))
     expected = _prefill_logits(load_model(tmp_path / "dequantized", torch.bfloat16, SINGLE_RANK, TorchAttentionBackend(), "cuda"))
     assert torch.nn.functional.cosine_similarity(logits, expected, dim=-1).min() > 0.99
+
+
+def test_weight_bytes_count_the_8bit_weights_and_their_scales(tmp_path: Path) -> None:
+    save_tiny_model(tiny_llama_config(), tmp_path)
+    unquantized = load_ours(tmp_path)
+    linears = [m.weight for m in unquantized.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    # Each float32 weight (4 bytes) becomes 1 byte, plus a float32 scale per row.
+    expected = weight_bytes(unquantized) - sum(3 * w.numel() for w in linears) + sum(4 * w.shape[0] for w in linears)
+    assert weight_bytes(load_scaled(tmp_path, INT8)) == expected
