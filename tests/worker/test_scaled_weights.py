@@ -17,6 +17,7 @@ from safetensors import safe_open
 from model_factory import random_prompts, save_fp8_checkpoint, save_tiny_model, tiny_llama_config
 from strata.kernels import reference
 from strata.worker.attention import TorchAttentionBackend
+from strata.worker.llama import LlamaForCausalLM
 from strata.worker.model_loader import load_model, weight_bytes
 from strata.worker.scaled_weights import ScaledScheme, checkpoint_is_fp8, scaled_scheme
 from strata.worker.tp_layers import ColumnParallelLinear, RowParallelLinear
@@ -28,7 +29,7 @@ INT8 = ScaledScheme(torch.int8, w8a8=False)
 FP8_WEIGHT_ONLY = ScaledScheme(torch.float8_e4m3fn, w8a8=False)
 
 
-def _decode(model) -> tuple[list[list[int]], torch.Tensor]:
+def _decode(model: LlamaForCausalLM) -> tuple[list[list[int]], torch.Tensor]:
     return greedy_decode(PagedRunner(model), random_prompts(PROMPT_LENGTHS, model.vocab_size), DECODE_TOKENS)
 
 
@@ -80,6 +81,16 @@ def test_w8a8_checkpoint_with_static_activation_scales_keeps_them(tmp_path: Path
     assert model.lm_head.weight.dtype == torch.float32  # the head is left in the model dtype
 
 
+def test_w8a8_model_points_its_logits_where_its_dequantized_weights_do(tmp_path: Path) -> None:
+    # torch._scaled_mm runs on the CPU too. Rounding every activation to FP8 (a relative 2**-4)
+    # moves the logits, so they are compared by direction (measured: cosine 0.9955 at least;
+    # with the scales of the wrong rows: 0.69).
+    save_fp8_checkpoint(tiny_llama_config(), tmp_path / "fp8", tmp_path / "dequantized")
+    logits = _prefill_logits(load_scaled(tmp_path / "fp8", ScaledScheme(torch.float8_e4m3fn, w8a8=True, from_checkpoint=True)))
+    expected = _prefill_logits(load_ours(tmp_path / "dequantized"))
+    assert torch.nn.functional.cosine_similarity(logits, expected, dim=-1).min() > 0.99
+
+
 def test_fp8_on_the_cpu_is_a_start_up_error_that_names_int8(tmp_path: Path) -> None:
     save_tiny_model(tiny_llama_config(), tmp_path)
     with pytest.raises(ValueError, match="compute capability >= 8.9.*--quantization int8"):
@@ -105,7 +116,7 @@ def test_block_wise_fp8_checkpoint_is_refused(tmp_path: Path) -> None:
         checkpoint_is_fp8(tmp_path)
 
 
-def _prefill_logits(model) -> torch.Tensor:
+def _prefill_logits(model: LlamaForCausalLM) -> torch.Tensor:
     runner = PagedRunner(model)
     prompts = random_prompts(PROMPT_LENGTHS, model.vocab_size)
     return torch.cat(runner.step([(runner.add_sequence(len(prompt)), prompt) for prompt in prompts])).float()
@@ -115,7 +126,8 @@ def _prefill_logits(model) -> torch.Tensor:
 @pytest.mark.parametrize("quantization", ["fp8", "fp8-weight-only", "int8", "fp8-checkpoint"])
 def test_8bit_models_on_the_gpu_point_their_logits_where_their_dequantized_weights_do(quantization: str, tmp_path: Path) -> None:
     # bfloat16 on the GPU, where W8A8 also rounds every activation to FP8 (a relative 2**-4):
-    # the logits are compared by direction (a wrong scale, layout or shard gives ~0).
+    # the logits are compared by direction. On the CPU in float32 W8A8 gives a cosine of 0.9955
+    # at least and scales of the wrong rows 0.69; bfloat16 adds little, so 0.98 leaves room.
     if quantization == "fp8-checkpoint":
         save_fp8_checkpoint(tiny_llama_config(), tmp_path / "model", tmp_path / "dequantized")
         scheme = scaled_scheme("auto", tmp_path / "model", "cuda")
@@ -126,7 +138,7 @@ def test_8bit_models_on_the_gpu_point_their_logits_where_their_dequantized_weigh
         scheme = scaled_scheme(quantization, tmp_path / "model", "cuda")
     logits = _prefill_logits(load_scaled(tmp_path / "model", scheme, device="cuda", dtype=torch.bfloat16))
     expected = _prefill_logits(load_model(tmp_path / "dequantized", torch.bfloat16, SINGLE_RANK, TorchAttentionBackend(), "cuda"))
-    assert torch.nn.functional.cosine_similarity(logits, expected, dim=-1).min() > 0.99
+    assert torch.nn.functional.cosine_similarity(logits, expected, dim=-1).min() > 0.98
 
 
 def test_weight_bytes_count_the_8bit_weights_and_their_scales(tmp_path: Path) -> None:
