@@ -41,10 +41,11 @@ def _scaled_linear_kernel(
     for k_start in range(0, K, BLOCK_K):
         k = k_start + ks
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
-        # The weight tile is read transposed, [BLOCK_K, BLOCK_N], as the dot product wants it.
-        w = tl.load(w_ptr + cols[None, :] * stride_wn + k[:, None], mask=(cols[None, :] < N) & (k[:, None] < K), other=0.0)
+        # The weight tile [BLOCK_N, BLOCK_K] is read along its rows (K contiguous) and transposed
+        # in registers for the dot product.
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :], mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
         # fp32 inputs: three TF32 passes, about as accurate as fp32 FMAs (as in triton_attention).
-        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision="tf32x3")
+        acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision="tf32x3")
     acc = acc * tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
