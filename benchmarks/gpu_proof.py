@@ -8,6 +8,8 @@ Measured, with dummy (random) weights of Llama-3.2-1B and Llama-3.1-8B shapes in
 - decode step time (forward + logits + argmax, CUDA graphs) at each batch size with each
   sequence at ``context`` tokens, against the memory bound (weight bytes + KV bytes read) /
   bandwidth; CUDA graphs against eager at batch 1;
+- decode tokens/s of the 1B shape with 8-bit linears (FP8 W8A8, FP8 weight-only, INT8) against
+  the same model unquantized;
 - the attention kernel alone: decode (bytes of KV read / time against the bandwidth) and
   prefill (causal FLOPs / time against the matmul peak);
 - ``strata bench throughput`` and ``strata bench serve`` on the 8B shape, with a word-level
@@ -45,8 +47,9 @@ from strata.launch.bench.server_process import ServerProcess, free_port, strata_
 from strata.worker.attention import AttentionMetadata, get_attention_backend
 from strata.worker.cuda_graphs import CudaGraphRunner, PaddedDecode
 from strata.worker.input_batch import StepInputs
-from strata.worker.model_loader import load_model
+from strata.worker.model_loader import load_model, weight_bytes
 from strata.worker.parallel_state import TensorParallel
+from strata.worker.scaled_weights import ScaledScheme
 
 SHAPES = {
     "llama-1b": dict(
@@ -71,6 +74,14 @@ DECODE_BOUND_RATIO = 1.3
 GRAPH_SPEEDUP = 3.0
 DECODE_ATTENTION_FRACTION = 0.7
 PREFILL_ATTENTION_FRACTION = 0.5
+# The 8-bit linears the quantized decode section compares with the plan's dtype (issue 28),
+# as --quantization fp8, fp8-weight-only and int8 hold them; None: the unquantized baseline.
+QUANTIZED_LINEARS = {
+    "unquantized": None,
+    "fp8": ScaledScheme(torch.float8_e4m3fn, w8a8=True),
+    "fp8-weight-only": ScaledScheme(torch.float8_e4m3fn, w8a8=False),
+    "int8": ScaledScheme(torch.int8, w8a8=False),
+}
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,8 @@ class Plan:
     serve_concurrency: tuple[int, ...]
     serve_max_tokens: int
     iterations: int
+    quantized_shape: str
+    quantized_batches: tuple[int, ...]
     engine_args: dict = field(default_factory=dict)
 
 
@@ -99,13 +112,14 @@ GPU_PLAN = Plan(
     device="cuda", dtype="bfloat16", decode_shapes=("llama-1b", "llama-8b"), decode_batches=(1, 16, 64, 256),
     context=1024, attention_shape="llama-8b", decode_attention=(64, 4096), prefill_attention=(8, 4096),
     matmul_size=8192, copy_bytes=2 << 30, e2e_shape="llama-8b", throughput=(1000, 512, 128),
-    serve_concurrency=(1, 16, 64), serve_max_tokens=64, iterations=20,
+    serve_concurrency=(1, 16, 64), serve_max_tokens=64, iterations=20, quantized_shape="llama-1b",
+    quantized_batches=(1, 16, 64),
 )
 TINY_PLAN = Plan(
     device="cpu", dtype="float32", decode_shapes=("tiny",), decode_batches=(1, 4), context=64,
     attention_shape="tiny", decode_attention=(4, 64), prefill_attention=(2, 32), matmul_size=256,
     copy_bytes=64 << 20, e2e_shape="tiny", throughput=(4, 16, 4), serve_concurrency=(2,), serve_max_tokens=4,
-    iterations=3, engine_args={"executor": "uni"},
+    iterations=3, quantized_shape="tiny", quantized_batches=(1,), engine_args={"executor": "uni"},
 )
 
 
@@ -193,36 +207,71 @@ def decode_steps(plan: Plan, shape: str, config_dir: Path, bandwidth: float) -> 
     device, dtype = torch.device(plan.device), getattr(torch, plan.dtype)
     backend = get_attention_backend(None, device)
     model = load_model(config_dir, dtype, TensorParallel(0, 1), backend, device, "dummy")
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model_bytes = weight_bytes(model)
     generator = torch.Generator().manual_seed(0)
     for batch in plan.decode_batches:
         inputs = _decode_inputs(batch, plan.context, model.vocab_size, generator)
-        num_blocks = batch * inputs.block_tables.shape[1]
-        cache_shape = (2, num_blocks, BLOCK_SIZE, model.num_kv_heads_per_rank, model.head_dim)
-        caches = [torch.zeros(cache_shape, dtype=backend.cache_dtype(dtype), device=device) for _ in range(model.num_layers)]
+        caches = _kv_caches(model, batch * inputs.block_tables.shape[1], backend.cache_dtype(dtype), device)
         kv_bytes = batch * plan.context * sum(cache[:, 0, 0].numel() * cache.element_size() for cache in caches)
-        bound_s = (weight_bytes + kv_bytes) / bandwidth
-        modes = {"eager": PaddedDecode(model, caches, [batch], plan.context, BLOCK_SIZE, device)}
-        if device.type == "cuda":
-            graphs = CudaGraphRunner(model, caches, [batch], plan.context, BLOCK_SIZE, device)
-            graphs.capture()
-            modes["graphs"] = graphs
-        row = {"shape": shape, "batch": batch, "context": plan.context, "weight_bytes": weight_bytes,
+        bound_s = (model_bytes + kv_bytes) / bandwidth
+        row = {"shape": shape, "batch": batch, "context": plan.context, "weight_bytes": model_bytes,
                "kv_bytes_read": kv_bytes, "memory_bound_ms": bound_s * 1e3}
-        for mode, runner in modes.items():
-            def step(runner=runner) -> torch.Tensor:
-                return model.compute_logits(runner.run(inputs, batch)).argmax(-1)
-
-            with torch.inference_mode():
-                row[f"{mode}_ms"] = seconds_per_call(step, device, plan.iterations) * 1e3
+        row |= _decode_ms(plan, model, caches, inputs, batch)
         best = row.get("graphs_ms", row["eager_ms"])
         row["ratio_to_bound"] = best / row["memory_bound_ms"]
         if "graphs_ms" in row:
             row["graph_speedup"] = row["eager_ms"] / row["graphs_ms"]
-        del modes, caches
+        del caches
         if device.type == "cuda":
             torch.cuda.empty_cache()
         yield row
+
+
+def _kv_caches(model: torch.nn.Module, num_blocks: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    cache_shape = (2, num_blocks, BLOCK_SIZE, model.num_kv_heads_per_rank, model.head_dim)
+    return [torch.zeros(cache_shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+
+
+def _decode_ms(plan: Plan, model: torch.nn.Module, caches: list[torch.Tensor], inputs: StepInputs, batch: int) -> dict:
+    """Milliseconds per decode step (forward + logits + argmax) of ``inputs``: ``eager_ms``, and on
+    CUDA ``graphs_ms``."""
+    device = torch.device(plan.device)
+    modes = {"eager": PaddedDecode(model, caches, [batch], plan.context, BLOCK_SIZE, device)}
+    if device.type == "cuda":
+        graphs = CudaGraphRunner(model, caches, [batch], plan.context, BLOCK_SIZE, device)
+        graphs.capture()
+        modes["graphs"] = graphs
+    times = {}
+    for mode, runner in modes.items():
+        def step(runner=runner) -> torch.Tensor:
+            return model.compute_logits(runner.run(inputs, batch)).argmax(-1)
+
+        with torch.inference_mode():
+            times[f"{mode}_ms"] = seconds_per_call(step, device, plan.iterations) * 1e3
+    return times
+
+
+def quantized_decode(plan: Plan, config_dir: Path) -> Iterator[dict]:
+    """Decode tokens/s of the ``plan.quantized_shape`` model at each of ``plan.quantized_batches``
+    with its linears in the plan's dtype, then 8-bit (``QUANTIZED_LINEARS``), one row per model
+    and batch as it is measured; each 8-bit row also gives its speed-up over the unquantized one."""
+    device, dtype = torch.device(plan.device), getattr(torch, plan.dtype)
+    backend = get_attention_backend(None, device)
+    baseline: dict[int, float] = {}
+    for name, scheme in QUANTIZED_LINEARS.items():
+        model = load_model(config_dir, dtype, TensorParallel(0, 1), backend, device, "dummy", scaled=scheme)
+        generator = torch.Generator().manual_seed(0)
+        for batch in plan.quantized_batches:
+            inputs = _decode_inputs(batch, plan.context, model.vocab_size, generator)
+            caches = _kv_caches(model, batch * inputs.block_tables.shape[1], backend.cache_dtype(dtype), device)
+            times = _decode_ms(plan, model, caches, inputs, batch)
+            tokens_per_s = batch / times.get("graphs_ms", times["eager_ms"]) * 1e3
+            baseline.setdefault(batch, tokens_per_s)
+            yield {"shape": plan.quantized_shape, "linears": name, "batch": batch, "context": plan.context,
+                   "weight_bytes": weight_bytes(model), "tokens_per_s": tokens_per_s, "speedup": tokens_per_s / baseline[batch]}
+        del model, caches
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _attention_batch(plan: Plan, num_seqs: int, query_len: int, context: int):
@@ -383,6 +432,9 @@ def run(plan: Plan, out: Path, models: Path) -> dict:
         with report.section(f"decode steps {shape}"):
             for row in decode_steps(plan, shape, save_shape(shape, models), results["copy_bandwidth_bytes_per_s"]):
                 report.append("decode_steps", row)
+    with report.section("quantized decode"):
+        for row in quantized_decode(plan, save_shape(plan.quantized_shape, models)):
+            report.append("quantized_decode", row)
     with report.section("decode attention"):
         report.add("decode_attention", decode_attention(plan, results["copy_bandwidth_bytes_per_s"]))
     with report.section("prefill attention"):
@@ -425,6 +477,13 @@ def _decode_lines(row: dict, results: dict) -> list[str]:
     return lines
 
 
+def _quantized_decode_lines(row: dict, results: dict) -> list[str]:
+    return [
+        f"| decode {row['shape']}, {row['linears']} linears ({row['weight_bytes'] / 1e9:.2f} GB), batch {row['batch']} x "
+        f"{row['context']} | {row['tokens_per_s']:.0f} tokens/s (**{row['speedup']:.2f}x** unquantized) | - | - |"
+    ]
+
+
 def _decode_attention_lines(attention: dict, results: dict) -> list[str]:
     return [
         f"| decode attention {attention['sequences']} x {attention['context']} | {attention['bytes_per_s'] / 1e9:.0f} GB/s "
@@ -464,6 +523,7 @@ FIGURE_LINES: dict[str, Callable[[object, dict], list[str]]] = {
     "copy_bandwidth_bytes_per_s": _bandwidth_lines,
     "matmul_peak_flop_per_s": _peak_lines,
     "decode_steps": _decode_lines,
+    "quantized_decode": _quantized_decode_lines,
     "decode_attention": _decode_attention_lines,
     "prefill_attention": _prefill_attention_lines,
     "throughput": _throughput_lines,

@@ -216,3 +216,64 @@ def _decode_attention(
         enable_gqa=True,
     )
     out[bucket.rows] = attn.squeeze(2).to(out.dtype)
+
+
+# Largest magnitude each 8-bit weight format stores: a row's largest weight is scaled to it.
+SCALED_FORMAT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max}
+# Floor on a scale's absolute maximum: an all-zero row or token then gets a tiny finite scale
+# (its values quantize to zero) instead of a division by zero.
+_MIN_AMAX = 1e-12
+
+
+def channel_scales(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float32 scales that map each channel's absolute maximum ``amax`` to ``dtype``'s largest value."""
+    return amax.float().clamp(min=_MIN_AMAX) / SCALED_FORMAT_MAX[dtype]
+
+
+def quantize_rows(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight [N, K] / scale [N]`` rounded to the nearest ``dtype`` value (int8 or float8_e4m3fn)."""
+    limit = SCALED_FORMAT_MAX[dtype]
+    scaled = (weight.float() / scale[:, None]).clamp(-limit, limit)
+    return scaled.round().to(dtype) if dtype == torch.int8 else scaled.to(dtype)
+
+
+def quantize_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` with ``q * scale[:, None] ~ weight``: one float32 scale per output row."""
+    scale = channel_scales(weight.abs().amax(dim=1), dtype)
+    return quantize_rows(weight, scale, dtype), scale
+
+
+def scaled_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x (weight * scale[:, None])^T + bias`` in float32, rounded to ``x``'s dtype: the dequantized
+    computation a weight-only 8-bit linear stands for."""
+    y = F.linear(x.float(), weight.float()) * scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def quantize_activations_fp8(
+    x: torch.Tensor, input_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_fp8 [M, K], scale [M, 1])``: each row scaled by its own absolute maximum (dynamic, per
+    token), or by ``input_scale`` (static: one float32 scale for every token, from a checkpoint)."""
+    if input_scale is None:
+        scale = channel_scales(x.abs().amax(dim=1, keepdim=True), torch.float8_e4m3fn)
+    else:
+        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    return quantize_rows(x, scale[:, 0], torch.float8_e4m3fn), scale
+
+
+def w8a8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The dequantized computation of an FP8 W8A8 linear: ``x`` quantized to FP8 as
+    ``quantize_activations_fp8`` does, both sides dequantized, multiplied in float32."""
+    x_fp8, x_scale = quantize_activations_fp8(x, input_scale)
+    return scaled_linear(x_fp8.float() * x_scale, weight, scale, bias).to(x.dtype)

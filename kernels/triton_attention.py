@@ -269,7 +269,7 @@ def paged_attention(
         partition_len, partial, maxes, sums = 0, out, None, None
 
     head_pad = triton.next_power_of_2(head_dim)
-    dot_dtype = _dot_dtype(query.dtype)
+    dots_in = dot_dtype(query.dtype)
     _paged_attention_kernel[(tile_slots, num_kv_heads, num_splits)](
         partial,
         maxes,
@@ -300,7 +300,7 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         TILE_N=TILE_N,
         SPLIT=split,
-        DOT_DTYPE=dot_dtype,
+        DOT_DTYPE=dots_in,
         # fp32 inputs: three TF32 passes on tensor cores, about as accurate as fp32 FMAs
         # ("ieee") and without their register spills. Ignored for 16-bit inputs.
         DOT_PRECISION="tf32x3",
@@ -332,7 +332,7 @@ def _num_splits(max_seq_len: int, num_programs: int, *, forced: bool) -> int:
     return max(2 if forced else 1, min(triton.cdiv(max_seq_len, min_partition), most_useful))
 
 
-def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
+def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     """The dtype ``tl.dot`` multiplies in: the input's (tensor cores), except under the
     interpreter, which has no bf16 arithmetic (triton#11584) and gets fp32 instead."""
     if dtype == torch.bfloat16 and triton.knobs.runtime.interpret:

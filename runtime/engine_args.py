@@ -97,7 +97,11 @@ class EngineArgs:
         "auto",
         "gguf: a GGUF model's linears keep the file's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) "
         "and CPU kernels multiply them as stored; none: dequantize at load; auto: gguf where the model is a "
-        "GGUF file run on the CPU and every block type has a kernel",
+        "GGUF file run on the CPU and every block type has a kernel, FP8 where the checkpoint stores FP8 "
+        "(compressed-tensors); fp8: FP8 e4m3 linears with per-channel scales (quantized at load, or as an FP8 "
+        "checkpoint stores them), activations quantized per token (W8A8), on GPUs of compute capability >= 8.9; "
+        "fp8-weight-only: the same weights, a GEMM that converts them in registers; int8: INT8 weight-only "
+        "linears with per-channel scales, any GPU (CPU: dequantized per step)",
         choices=QUANTIZATIONS,
     )
     device: str = flag("auto", "cpu, cuda, cuda:K (mp ranks take cuda:K, cuda:K+1, ...) or auto")

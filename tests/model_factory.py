@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -15,6 +16,8 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
 )
+
+from strata.kernels import reference
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=97)
 
@@ -171,3 +174,51 @@ def hf_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int) -> lis
         input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=num_tokens, do_sample=False
     )
     return output[0, len(prompt) :].tolist()
+
+
+# The projections an FP8 checkpoint stores in FP8 (compressed-tensors leaves the head and the
+# embedding in the model dtype, as its usual recipes do).
+FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def save_fp8_checkpoint(
+    config: PreTrainedConfig, path: Path, dequantized_path: Path, strategy: str = "channel", input_scale: float | None = None
+) -> None:
+    """Save a random model as an FP8 checkpoint in the compressed-tensors layout to ``path``: each
+    projection's ``weight`` in float8_e4m3fn with its float32 ``weight_scale`` (``[rows, 1]`` per
+    ``channel``, ``[1]`` per ``tensor``) and, given ``input_scale``, a static activation scale;
+    ``quantization_config`` in config.json says so. ``dequantized_path`` gets the same model with
+    those FP8 weights dequantized into float32, the reference it must compute."""
+    model = save_tiny_model(config, dequantized_path)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name.rpartition(".")[0].rpartition(".")[2] not in FP8_PROJECTIONS:
+            tensors[name] = tensor.contiguous()
+            continue
+        amax = tensor.abs().amax(dim=1) if strategy == "channel" else tensor.abs().amax().reshape(1)
+        scale = reference.channel_scales(amax, torch.float8_e4m3fn)
+        weight = reference.quantize_rows(tensor, scale.expand(tensor.shape[0]), torch.float8_e4m3fn)
+        stem = name.removesuffix(".weight")
+        tensors[name] = weight
+        tensors[f"{stem}.weight_scale"] = scale.reshape(-1, 1) if strategy == "channel" else scale
+        if input_scale is not None:
+            tensors[f"{stem}.input_scale"] = torch.tensor([input_scale])
+        tensor.copy_(weight.float() * scale.reshape(-1, 1))
+    model.save_pretrained(dequantized_path)
+    activations = {"num_bits": 8, "type": "float", "symmetric": True}
+    activations |= {"strategy": "tensor", "dynamic": False} if input_scale is not None else {"strategy": "token", "dynamic": True}
+    config.quantization_config = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False},
+                "input_activations": activations,
+            }
+        },
+    }
+    config.save_pretrained(path)
+    save_file(tensors, path / "model.safetensors")

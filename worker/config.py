@@ -8,7 +8,7 @@ import msgspec
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_BF16_LINEAR_MODES = ("auto", "float32", "native")
-QUANTIZATIONS = ("auto", "gguf", "none")
+QUANTIZATIONS = ("auto", "gguf", "fp8", "fp8-weight-only", "int8", "none")
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 
 
@@ -21,7 +21,7 @@ class WorkerConfig(msgspec.Struct):
     load_format: str = "auto"  # "dummy": random weights of the config's shapes
     dtype: str = "auto"
     cpu_bf16_linear: str = "auto"  # how a bfloat16 model's linears run on CPU
-    quantization: str = "auto"  # gguf: the linears keep the GGUF file's blocks (model_loader.quantized_weights_file)
+    quantization: str = "auto"  # gguf: model_loader.quantized_weights_file; fp8, int8: scaled_weights.scaled_scheme
     gguf_file: str | None = None  # the GGUF file `model` was converted from, if any
     device: str = "cpu"
     block_size: int = 16

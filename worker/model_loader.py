@@ -42,6 +42,7 @@ from strata.worker.gguf_weights import GgufFile
 from strata.worker.llama import LlamaForCausalLM
 from strata.worker.model_registry import model_class
 from strata.worker.parallel_state import TensorParallel
+from strata.worker.scaled_weights import ScaledScheme, load_scaled_weights
 from strata.worker.tp_layers import TensorSource
 
 if TYPE_CHECKING:  # importing it at run time loads transformers' modeling code: ~3 s per process
@@ -232,6 +233,7 @@ def load_model(
     device: torch.device | str,
     load_format: str = "auto",
     blocks_from: Path | None = None,
+    scaled: ScaledScheme | None = None,
 ) -> LlamaForCausalLM:
     """Build the model ``path/config.json`` describes on ``device`` and load this rank's weights.
 
@@ -239,7 +241,8 @@ def load_model(
     read lazily so each rank reads only its own shard from disk; with ``blocks_from`` (the GGUF
     file ``path`` was converted from, see ``quantized_weights_file``) the tensors that file
     stores in blocks come from it, still in blocks. ``"dummy"``: seeded random weights of the
-    config's shapes (``dummy_weights``), for runs that need no checkpoint.
+    config's shapes (``dummy_weights``), for runs that need no checkpoint. With ``scaled`` the
+    linears end up with 8-bit weights (``worker/scaled_weights.py``).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
@@ -248,34 +251,40 @@ def load_model(
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(config, tp, attn_backend)
     if load_format == "dummy":
-        model.load_weights(dummy_weights(config, dtype, device))
+        weights = dummy_weights(config, dtype, device)
     elif blocks_from is not None:
         blocks = GgufFile(blocks_from, config)
-        model.load_weights((name, blocks.quantized(name) or source) for name, source in _read_safetensors(Path(path)))
+        weights = ((name, blocks.quantized(name) or source) for name, source in _read_safetensors(Path(path)))
     else:
-        model.load_weights(_read_safetensors(Path(path)))
+        weights = _read_safetensors(Path(path))
+    if scaled is None:
+        model.load_weights(weights)
+    else:
+        load_scaled_weights(model, weights, scaled, tp)
     return model.eval()
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """The bytes of this rank's weights as loaded: its parameters and the GGUF blocks its layers
-    keep (a tied head's counted once)."""
+    """The bytes of this rank's weights as loaded: its parameters, the GGUF blocks its layers keep
+    (a tied head's counted once) and the 8-bit weights and scales of FP8/INT8 linears."""
     blocks = {id(module.quantized): module.quantized.matrix.nbytes() for module in model.modules()
               if getattr(module, "quantized", None) is not None}
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(blocks.values())
+    scaled = sum(module.scaled.weight.nbytes + module.scaled.scale.nbytes for module in model.modules()
+                 if getattr(module, "scaled", None) is not None)
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(blocks.values()) + scaled
 
 
 def quantized_weights_file(quantization: str, gguf: str | None, device: torch.device | str) -> Path | None:
     """The GGUF file whose blocks the model's linears keep under ``--quantization quantization``,
     or None (the converted directory's dequantized weights).
 
-    ``none``: never. ``gguf``: the model's GGUF file, else a ValueError saying why not (not a GGUF
+    ``none`` (and the 8-bit ones, ``worker/scaled_weights.py``): never. ``gguf``: the model's GGUF file, else a ValueError saying why not (not a GGUF
     model, not on the CPU, no C compiler, block types without a kernel). ``auto``: as ``gguf``
     where all of that holds, else None (logged).
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    if quantization == "none":
+    if quantization not in ("auto", "gguf"):
         return None
     if gguf is None:
         obstacle = "the model is not a GGUF file"

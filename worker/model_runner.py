@@ -4,6 +4,7 @@ inputs, run the model over the paged KV cache, sample."""
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from strata.worker.model_loader import load_model, quantized_weights_file, resol
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.prompt_logprobs import compute_prompt_logprobs, prompt_spans
 from strata.worker.sampler import SamplingMetadata, sample
+from strata.worker.scaled_weights import scaled_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +49,17 @@ class ModelRunner:
         logger.info("rank %d: dtype %s (%s)", tp.rank, self.dtype, reason)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         blocks_from = quantized_weights_file(config.quantization, config.gguf_file, self.device)
+        scaled = scaled_scheme(config.quantization, Path(config.model), self.device)
         self.model = load_model(
-            config.model, self.dtype, tp, self.backend, self.device, config.load_format, blocks_from
+            config.model, self.dtype, tp, self.backend, self.device, config.load_format, blocks_from, scaled
         )
         logger.info("rank %d: weights hold %.1f MB", tp.rank, weight_bytes(self.model) / 1e6)
-        cpu_plan = plan_cpu_linears(config.cpu_bf16_linear, self.model, self.dtype, self.device, tp)
+        if scaled is not None:
+            logger.info("rank %d: linears: %s", tp.rank, scaled.describe())
+        # The CPU plan chooses among ways to hold float weights, which 8-bit linears no longer have.
+        cpu_plan = None
+        if scaled is None:
+            cpu_plan = plan_cpu_linears(config.cpu_bf16_linear, self.model, self.dtype, self.device, tp)
         if cpu_plan is not None:
             apply_cpu_linear_plan(self.model, cpu_plan)
             logger.info("rank %d: linears: %s", tp.rank, cpu_plan.describe())

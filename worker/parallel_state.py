@@ -39,6 +39,12 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of ``x`` over the ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dimension, in rank order."""
         if self.size == 1:

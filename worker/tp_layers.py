@@ -17,6 +17,7 @@ from torch import nn
 from strata.kernels import cpu_layers, cpu_linear, gguf_linear, onednn_linear
 from strata.worker.gguf_weights import GgufTensor
 from strata.worker.parallel_state import TensorParallel
+from strata.worker.scaled_linear import ScaledWeight
 
 
 class TensorSource(Protocol):
@@ -148,11 +149,14 @@ class ColumnParallelLinear(nn.Module):
         self.streamed: StreamedWeight | None = None
         self.packed: torch.Tensor | None = None
         self.quantized: QuantizedWeight | None = None
+        self.scaled: ScaledWeight | None = None  # 8-bit weight, per-row scales (worker/scaled_weights.py)
         self._quantized_parts: list[gguf_linear.QuantizedPart | None] = [None] * len(self.shards)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return self.quantized.linear(x, self.bias)
+        if self.scaled is not None:
+            return self.scaled.linear(x, self.bias)
         return linear(x, self.weight, self.bias, self.streamed, self.packed)
 
     def plan_cpu_(self, gemm_dtype: torch.dtype, stream_rows: int, pack: bool) -> None:
@@ -201,10 +205,13 @@ class RowParallelLinear(nn.Module):
         self.streamed: StreamedWeight | None = None
         self.packed: torch.Tensor | None = None
         self.quantized: QuantizedWeight | None = None
+        self.scaled: ScaledWeight | None = None  # 8-bit weight, per-row scales (worker/scaled_weights.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             partial = self.quantized.linear(x)
+        elif self.scaled is not None:
+            partial = self.scaled.linear(x)
         else:
             partial = linear(x, self.weight, None, self.streamed, self.packed)
         y = self.tp.all_reduce(partial)

@@ -38,6 +38,8 @@ def test_tiny_proof_writes_every_figure_as_json_and_markdown(tmp_path, monkeypat
     assert results["copy_bandwidth_bytes_per_s"] > 0 and results["matmul_peak_flop_per_s"] > 0
     assert [row["batch"] for row in results["decode_steps"]] == [1, 4]
     assert all(math.isfinite(row["ratio_to_bound"]) and row["eager_ms"] > 0 for row in results["decode_steps"])
+    assert [row["linears"] for row in results["quantized_decode"]] == ["unquantized", "fp8", "fp8-weight-only", "int8"]
+    assert all(row["tokens_per_s"] > 0 for row in results["quantized_decode"])
     assert results["decode_attention"]["fraction_of_bandwidth"] > 0
     assert results["prefill_attention"]["fraction_of_matmul_peak"] > 0
     assert results["throughput"]["output_tokens"] == 4 * 4

@@ -13,10 +13,11 @@ from transformers import PreTrainedConfig
 from strata.worker.attention import CpuAttentionBackend
 from strata.worker.llama import LlamaForCausalLM
 from strata.worker.parallel_state import TensorParallel, init_tensor_parallel
+from strata.worker.scaled_weights import ScaledScheme
 
 from model_factory import TINY_CONFIGS, random_prompts, save_tiny_model, tiny_gemma3_config, tiny_llama_config
 from worker_helpers import (
-    SINGLE_RANK, STREAMED_FLOAT32, PagedRunner, greedy_decode, load_gguf_blocks, load_ours, load_planned,
+    SINGLE_RANK, STREAMED_FLOAT32, PagedRunner, greedy_decode, load_gguf_blocks, load_ours, load_planned, load_scaled,
 )
 
 TP_SIZE = 2
@@ -126,17 +127,34 @@ def test_two_ranks_of_the_default_model_on_gguf_blocks_give_the_logits_of_one_ra
         torch.testing.assert_close(rank_logits, expected, atol=1e-2, rtol=1e-3)
 
 
+def test_two_ranks_of_an_int8_model_give_the_logits_of_one_rank(tmp_path: Path) -> None:
+    # Column-parallel ranks quantize their own rows; row-parallel ranks hold half of every row,
+    # so each row's scale comes from the maximum over both ranks: a rank-local scale would
+    # change the quantized weights and the logits by far more than float32 rounding.
+    save_tiny_model(tiny_llama_config(num_key_value_heads=4, attention_bias=True, mlp_bias=True), tmp_path)
+    _, expected = greedy_decode(
+        PagedRunner(load_int8(tmp_path, SINGLE_RANK)), random_prompts(PROMPT_LENGTHS, 97), DECODE_TOKENS
+    )
+    for rank_logits in _run_ranks(tmp_path, tmp_path, load="int8"):
+        torch.testing.assert_close(rank_logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def load_int8(model_dir: Path, tp: TensorParallel, device: str = "cpu") -> LlamaForCausalLM:
+    return load_scaled(model_dir, ScaledScheme(torch.int8, w8a8=False), tp, device)
+
+
 def load_widened_bf16(model_dir: Path, tp: TensorParallel, device: str = "cpu") -> LlamaForCausalLM:
     """A bfloat16 model as the engine loads it on a CPU without native bfloat16."""
     return load_planned(model_dir, STREAMED_FLOAT32, CpuAttentionBackend(), tp)
 
 
 # How a rank loads its model: a float32 checkpoint, a bfloat16 one on fused layers, the default
-# model on its GGUF blocks.
+# model on its GGUF blocks, a float32 checkpoint quantized to INT8 at load.
 LOADERS = {
     "float32": load_ours,
     "bfloat16": load_widened_bf16,
     "gguf": lambda model_dir, tp, device: load_gguf_blocks(None, tp),
+    "int8": load_int8,
 }
 
 

@@ -13,6 +13,7 @@ from strata.worker.cpu_linear_plan import (
 from strata.worker.llama import LlamaForCausalLM
 from strata.worker.model_loader import gguf_file, load_model, quantized_weights_file, resolve_model_path
 from strata.worker.parallel_state import TensorParallel
+from strata.worker.scaled_weights import ScaledScheme
 
 SINGLE_RANK = TensorParallel(rank=0, size=1)
 # What a CPU without native bfloat16 runs: float32 GEMMs, every step the kernels take streamed.
@@ -30,6 +31,13 @@ def load_planned(
 
 def load_ours(path: Path, tp: TensorParallel = SINGLE_RANK, device: str = "cpu") -> LlamaForCausalLM:
     return load_model(path, torch.float32, tp, TorchAttentionBackend(), device)
+
+
+def load_scaled(
+    path: Path, scheme: ScaledScheme, tp: TensorParallel = SINGLE_RANK, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> LlamaForCausalLM:
+    """The model at ``path`` with 8-bit linears as ``scheme`` says (``--quantization fp8/int8``)."""
+    return load_model(path, dtype, tp, TorchAttentionBackend(), device, scaled=scheme)
 
 
 def load_gguf_blocks(model: str | None, tp: TensorParallel = SINGLE_RANK, block_rows: int = 16) -> LlamaForCausalLM:
