@@ -87,6 +87,7 @@ class RayExecutor(ZmqExecutor):
         self._placement_group: PlacementGroup | None = None
         self._actors: list[ActorHandle] = []
         self._runs: list[ray.ObjectRef] = []  # one serve task per rank: done means the rank is gone
+        self._node_ips: list[str] = []  # each rank's node, once placed
         try:
             self._start(config, ray_config, startup_timeout_s)
         except BaseException:
@@ -111,9 +112,9 @@ class RayExecutor(ZmqExecutor):
             for rank in range(self.size)
         ]
         deadline = time.monotonic() + startup_timeout_s
-        node_ips = [self._start_up(rank, actor.node_ip.remote(), deadline) for rank, actor in enumerate(self._actors)]
-        logger.info("%s: ranks placed on nodes %s", self.name, node_ips)
-        init_method = f"tcp://{node_ips[0]}:{self._start_up(0, self._actors[0].free_port.remote(), deadline)}"
+        self._node_ips = [self._start_up(rank, actor.node_ip.remote(), deadline) for rank, actor in enumerate(self._actors)]
+        logger.info("%s: ranks placed on nodes %s", self.name, self._node_ips)
+        init_method = f"tcp://{self._node_ips[0]}:{self._start_up(0, self._actors[0].free_port.remote(), deadline)}"
         # Ray sets each actor's CUDA_VISIBLE_DEVICES to the GPU it assigned, so that one is cuda:0.
         device = "cuda:0" if use_gpu else config.device
         for rank, actor in enumerate(self._actors):
@@ -132,6 +133,11 @@ class RayExecutor(ZmqExecutor):
             raise ExecutorFailed(f"worker rank {rank} died ({_actor_death(error)}) during start-up") from error
         except GetTimeoutError as error:
             raise ExecutorFailed(f"worker rank {rank}'s Ray actor did not answer in time during start-up") from error
+
+    def _rank_name(self, rank: int) -> str:
+        if rank < len(self._node_ips):
+            return f"worker rank {rank} on node {self._node_ips[rank]}"
+        return super()._rank_name(rank)
 
     def _exited_ranks(self) -> list[RankExit]:
         if not self._runs:
