@@ -83,7 +83,7 @@ def measure(cluster: NamespaceCluster, placement: str, args: argparse.Namespace,
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     check_namespaces_available()
-    log_dir = Path(tempfile.mkdtemp(prefix="strata-multinode-"))
+    log_dir = Path(tempfile.mkdtemp(prefix="multinode-logs-"))
     with NamespaceCluster([0, 2, 2]) as cluster, cluster.entered(cluster.head):
         for layout, placement in LAYOUTS.items():
             result = measure(cluster, placement, args, log_dir / f"serve-{layout}.log")

@@ -41,6 +41,7 @@ SUBNET = "10.213.0"  # a /24; each cluster's bridge is in a namespace of its own
 NODE_START_TIMEOUT_S = 120.0
 NODE_STOP_GRACE_S = 10.0
 CLONE_NEWNET = 0x40000000
+NETNS_DIR = "/var/run/netns"  # where `ip netns add` mounts a namespace
 # A node whose processes died is noticed in about a second and a half (its node manager refuses
 # the checks), not Ray's default 15 s; one cut off (checks time out) still takes over 15 s, so
 # that an engine's own step timeout, shorter, is what notices a dropped link.
@@ -73,27 +74,33 @@ def check_namespaces_available() -> None:
         raise NamespaceError("no `ip` command (iproute2)")
     if os.geteuid() != 0:
         raise NamespaceError("creating network namespaces needs root")
-    probe = f"strata-probe-{secrets.token_hex(3)}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        raise NamespaceError(f"`ip netns add` failed: {made.stderr.strip()}")
-    subprocess.run(["ip", "netns", "delete", probe], check=True)
+    with _scratch_namespace():
+        pass
 
 
 def netem_unavailable() -> str | None:
     """Why ``tc ... netem`` cannot be used here (no ``tc``, or a kernel without sch_netem), or None."""
     if shutil.which("tc") is None:
         return "no `tc` command (iproute2)"
-    probe = f"strata-probe-{secrets.token_hex(3)}"
-    subprocess.run(["ip", "netns", "add", probe], check=True)
-    try:
+    with _scratch_namespace() as probe:
         added = subprocess.run(
             ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
             capture_output=True, text=True,
         )
-    finally:
-        subprocess.run(["ip", "netns", "delete", probe], check=True)
     return None if added.returncode == 0 else f"`tc qdisc add ... netem` failed: {added.stderr.strip()}"
+
+
+@contextmanager
+def _scratch_namespace() -> Iterator[str]:
+    """A namespace to probe in, deleted afterwards; NamespaceError if it cannot be made."""
+    name = f"strata-probe-{secrets.token_hex(3)}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        raise NamespaceError(f"`ip netns add` failed: {made.stderr.strip()}")
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
 def _ip(*args: str) -> None:
@@ -257,15 +264,11 @@ class NamespaceCluster:
             self.start_node(self.nodes[index])
         self._faulted.clear()
 
-    def exec_command(self, node: Node, command: Sequence[str]) -> list[str]:
-        """``command`` as run in ``node``'s namespace."""
-        return ["ip", "netns", "exec", node.namespace, *command]
-
     @contextmanager
     def entered(self, node: Node) -> Iterator[None]:
         """The calling thread inside ``node``'s namespace: every socket it opens, every thread and
         process it starts meanwhile, is in there (sockets and processes stay there after)."""
-        with open(f"/proc/self/task/{threading.get_native_id()}/ns/net") as home, open(f"/run/netns/{node.namespace}") as there:
+        with open(f"/proc/self/task/{threading.get_native_id()}/ns/net") as home, open(f"{NETNS_DIR}/{node.namespace}") as there:
             _setns(there.fileno())
             try:
                 yield
@@ -305,7 +308,7 @@ class NamespaceCluster:
         lines.append("serve from the head's namespace, e.g.:")
         lines.append(
             f"  ip netns exec {self.head.namespace} env RAY_AUTH_TOKEN_PATH={token_file} "
-            f"strata serve --executor ray --ray-address {self.address} --tensor-parallel-size 2 "
+            f"strata serve --executor ray --ray-address {self.address} --tensor-parallel-size {len(self.nodes) - 1} "
             "--ray-placement-strategy STRICT_SPREAD --device cpu"
         )
         lines.append("  (then, from the same namespace: curl http://127.0.0.1:8000/health)")
@@ -344,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     with NamespaceCluster(cpus) as cluster:
         print(cluster.describe(), flush=True)
         print("Ctrl-C stops the cluster and removes its namespaces.", flush=True)
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        for signum in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell's `&` job starts with it ignored
+            signal.signal(signum, signal.default_int_handler)
         try:
             while True:
                 signal.pause()
