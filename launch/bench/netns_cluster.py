@@ -10,8 +10,9 @@ with its own ``--node-ip-address`` and temp dir, through the same ``ray start`` 
 ``strata launch ray``. A driver (``strata serve --executor ray``, an ``LLM``) joins from the
 head's namespace: ``ip netns exec`` a command there, or ``entered`` it in this process.
 
-``NamespaceCluster`` tears everything down on ``close`` (every process in its namespaces, the
-namespaces, and with them the links and the bridge), also when a ``with`` block raises. The
+``NamespaceCluster`` tears everything down on ``close`` (SIGKILL to every process in its
+namespaces, then the namespaces, and with them the links and the bridge), also when a ``with``
+block raises. The
 faults a test needs: ``kill_node`` (every process of a node), ``set_link`` (its veth down or up)
 and ``netem`` (``tc`` delay or loss on its interface).
 
@@ -39,7 +40,7 @@ from strata.runtime.executors.ray_launcher import RayNodeOptions, start_command,
 HEAD_PORT = 6379
 SUBNET = "10.213.0"  # a /24; each cluster's bridge is in a namespace of its own, so clusters never meet
 NODE_START_TIMEOUT_S = 120.0
-NODE_STOP_GRACE_S = 10.0
+PROCESS_EXIT_TIMEOUT_S = 10.0
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = "/var/run/netns"  # where `ip netns add` mounts a namespace
 # A node whose processes died is noticed in about a second and a half (its node manager refuses
@@ -230,6 +231,9 @@ class NamespaceCluster:
         process = self._ray_nodes.pop(node.index, None)
         if process is not None:
             process.wait()
+        deadline = time.monotonic() + PROCESS_EXIT_TIMEOUT_S
+        while self.pids(node) and time.monotonic() < deadline:
+            time.sleep(0.1)  # SIGKILLed processes are still leaving
 
     def set_link(self, node: Node, up: bool) -> None:
         """Take ``node``'s link to the bridge down (its traffic is dropped) or bring it back."""
@@ -276,23 +280,11 @@ class NamespaceCluster:
                 _setns(home.fileno())
 
     def close(self) -> None:
-        """Stop every Ray node (SIGTERM, then SIGKILL to whatever still runs in the namespaces),
-        delete the namespaces (their links and the bridge go with them) and the temp dirs."""
-        for process in self._ray_nodes.values():
-            _signal_group(process, signal.SIGTERM)
-        deadline = time.monotonic() + NODE_STOP_GRACE_S
-        nodes = [node for node in self.nodes if node.namespace in self._made]
-        while any(self.pids(node) for node in nodes) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for node in nodes:
-            for pid in self.pids(node):
-                _kill(pid)
-        for process in self._ray_nodes.values():
-            process.wait()
-        deadline = time.monotonic() + NODE_STOP_GRACE_S
-        while any(self.pids(node) for node in nodes) and time.monotonic() < deadline:
-            time.sleep(0.1)  # SIGKILLed processes are still leaving
-        self._ray_nodes.clear()
+        """End every Ray node as ``kill_node`` does (the cluster is thrown away: nothing to drain),
+        then delete the namespaces (their links and the bridge go with them) and the temp dirs."""
+        for node in self.nodes:
+            if node.namespace in self._made:
+                self.kill_node(node)
         for namespace in reversed(self._made):
             subprocess.run(["ip", "netns", "delete", namespace], capture_output=True)
         self._made.clear()
@@ -325,13 +317,6 @@ def _setns(fd: int) -> None:
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _signal_group(process: subprocess.Popen, signum: int) -> None:
-    try:
-        os.killpg(process.pid, signum)
     except ProcessLookupError:
         pass
 

@@ -36,9 +36,12 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "strata"
 CONNECT_TIMEOUT_S = 5.0
+PING_TIMEOUT_S = 2.0
 
 
-@ray.remote
+# Two threads: one serves the steps, the other answers ``node_ip`` even while a step is stuck in
+# a collective, which tells a rank waiting on a peer from a rank that nobody can reach.
+@ray.remote(max_concurrency=2)
 class RankWorker:
     """One tensor-parallel rank in a Ray actor: says where it runs, then serves steps exactly as a
     worker process does (``worker.worker_process.serve``) until told to shut down."""
@@ -138,6 +141,16 @@ class RayExecutor(ZmqExecutor):
         if rank < len(self._node_ips):
             return f"worker rank {rank} on node {self._node_ips[rank]}"
         return super()._rank_name(rank)
+
+    def _why_silent(self, ranks: list[int]) -> str:
+        """Which of the silent ranks' actors do not answer Ray either: those are cut off (their
+        node unreachable, or too loaded to answer), the others wait on them in a collective."""
+        pings = {rank: self._actors[rank].node_ip.remote() for rank in ranks}
+        answered, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_TIMEOUT_S, fetch_local=False)
+        cut_off = [self._rank_name(rank) for rank, ping in pings.items() if ping not in answered]
+        if not cut_off:
+            return ""
+        return f"; {', '.join(cut_off)} did not answer Ray within {PING_TIMEOUT_S:g} s either: cut off from this node"
 
     def _exited_ranks(self) -> list[RankExit]:
         if not self._runs:

@@ -184,7 +184,10 @@ class ZmqExecutor(ABC):
                 raise ExecutorFailed(self._diagnose(None, what))
             if time.monotonic() > deadline:
                 silent = ", ".join(self._rank_name(rank) for rank in sorted(waiting_for))
-                raise ExecutorFailed(f"{silent} did not answer {what} within {self.worker_timeout_s:.0f} s")
+                raise ExecutorFailed(
+                    f"{silent} did not answer {what} within {self.worker_timeout_s:.0f} s"
+                    f"{self._why_silent(sorted(waiting_for))}"
+                )
 
     def _diagnose(self, failure: WorkerFailed | None, what: str) -> str:
         """Name the root cause. A rank killed from outside makes its peers fail in their
@@ -203,6 +206,10 @@ class ZmqExecutor(ABC):
     def _rank_name(self, rank: int) -> str:
         """How errors name ``rank`` (the Ray executor adds its node)."""
         return f"worker rank {rank}"
+
+    def _why_silent(self, ranks: list[int]) -> str:
+        """What more can be told about ranks that stopped answering, to append to the error."""
+        return ""
 
     def stats(self) -> dict[str, float]:
         return {"ipc_us_per_step": self._ipc_seconds / self._num_steps * 1e6 if self._num_steps else 0.0}
