@@ -168,7 +168,8 @@ class NamespaceCluster:
         for node in self.nodes:
             _ip("netns", "add", node.namespace)
             self._made.append(node.namespace)
-            _ip(*bridge, "link", "add", node.bridge_port, "type", "veth", "peer", "name", "eth0", "netns", node.namespace)
+            veth = ("type", "veth", "peer", "name", "eth0", "netns", node.namespace)
+            _ip(*bridge, "link", "add", node.bridge_port, *veth)
             _ip(*bridge, "link", "set", node.bridge_port, "master", "br0", "up")
             inside = ("-n", node.namespace)
             _ip(*inside, "addr", "add", f"{node.address}/24", "dev", "eth0")
@@ -252,7 +253,8 @@ class NamespaceCluster:
             subprocess.run([*command, "del", "dev", "eth0", "root"], check=True, capture_output=True)
             self._netem.discard(node.index)
         else:
-            subprocess.run([*command, "add", "dev", "eth0", "root", "netem", *spec.split()], check=True, capture_output=True)
+            netem = ["add", "dev", "eth0", "root", "netem", *spec.split()]
+            subprocess.run([*command, *netem], check=True, capture_output=True)
             self._netem.add(node.index)
             self._faulted.add(node.index)
 
@@ -272,7 +274,8 @@ class NamespaceCluster:
     def entered(self, node: Node) -> Iterator[None]:
         """The calling thread inside ``node``'s namespace: every socket it opens, every thread and
         process it starts meanwhile, is in there (sockets and processes stay there after)."""
-        with open(f"/proc/self/task/{threading.get_native_id()}/ns/net") as home, open(f"{NETNS_DIR}/{node.namespace}") as there:
+        home_path = f"/proc/self/task/{threading.get_native_id()}/ns/net"
+        with open(home_path) as home, open(f"{NETNS_DIR}/{node.namespace}") as there:
             _setns(there.fileno())
             try:
                 yield

@@ -115,7 +115,9 @@ class RayExecutor(ZmqExecutor):
             for rank in range(self.size)
         ]
         deadline = time.monotonic() + startup_timeout_s
-        self._node_ips = [self._start_up(rank, actor.node_ip.remote(), deadline) for rank, actor in enumerate(self._actors)]
+        self._node_ips = [
+            self._start_up(rank, actor.node_ip.remote(), deadline) for rank, actor in enumerate(self._actors)
+        ]
         logger.info("%s: ranks placed on nodes %s", self.name, self._node_ips)
         init_method = f"tcp://{self._node_ips[0]}:{self._start_up(0, self._actors[0].free_port.remote(), deadline)}"
         # Ray sets each actor's CUDA_VISIBLE_DEVICES to the GPU it assigned, so that one is cuda:0.

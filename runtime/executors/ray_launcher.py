@@ -64,7 +64,8 @@ def start_command(options: RayNodeOptions) -> list[str]:
     command = [ray_cli(), "start", "--disable-usage-stats"]
     if options.head:
         # `ray start` refuses --include-dashboard on a joining node, whatever its value.
-        command += [f"--include-dashboard={str(options.dashboard).lower()}", "--head", "--port", str(options.port or DEFAULT_PORT)]
+        dashboard = f"--include-dashboard={str(options.dashboard).lower()}"
+        command += [dashboard, "--head", "--port", str(options.port or DEFAULT_PORT)]
     else:
         command += ["--address", options.address]
     for flag, value in [

@@ -38,7 +38,8 @@ def server(cluster: NamespaceCluster, model: str, tmp_path_factory) -> Iterator[
     """Two replicas on the cluster behind the cache-aware router (the default), shared by the
     module's tests, in order: the idle replicas first, then the one that loses a replica."""
     with running_server(
-        tmp_path_factory.mktemp("server-logs"), "--model", model, "--served-model-name", MODEL, "--dtype", "float32", "--executor", "ray", "--ray-address", cluster.address,
+        tmp_path_factory.mktemp("server-logs"), "--model", model, "--served-model-name", MODEL, "--dtype", "float32",
+        "--executor", "ray", "--ray-address", cluster.address,
         "--data-parallel-size", "2", "--worker-timeout-s", "5",
     ) as server:
         yield server
