@@ -196,7 +196,7 @@ class NamespaceCluster:
         environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # it would keep a node's address on loopback
         env = start_environment(options, environ)
         with open(self._log(node), "ab") as log:
-            # Its own session: stopping it signals its process group, never the caller's.
+            # Its own session: a Ctrl-C meant for the caller does not reach it (``close`` ends it).
             return subprocess.Popen(
                 ["ip", "netns", "exec", node.namespace, *start_command(options)],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=die_with_parent,
@@ -260,7 +260,8 @@ class NamespaceCluster:
 
     def restore(self) -> None:
         """Undo the faults: links up, no netem, and a fresh Ray node on every node that was
-        killed or cut off (Ray may have declared it dead meanwhile, and then ends it)."""
+        killed or cut off (Ray may have declared it dead meanwhile, and then ends it). Faults
+        are for the other nodes: the cluster does not outlive its head."""
         for index in list(self._links_down):
             self.set_link(self.nodes[index], up=True)
         for index in list(self._netem):
