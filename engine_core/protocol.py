@@ -124,6 +124,11 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_verifications: int = 0
     spec_accepted_by_position: list[int] = []
 
+    @classmethod
+    def before_any_step(cls) -> "SchedulerStats":
+        """An engine's stats until its first step: nothing running, waiting or computed yet."""
+        return cls(0, 0, 0.0, 0, 0, 0, 0)
+
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="out"):
     """One step's results, as columns: ``new_token_ids[i]`` belongs to ``request_ids[i]`` (a

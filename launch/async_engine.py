@@ -40,7 +40,7 @@ class AsyncEngine:
         self.processor = OutputProcessor.for_model(self.tokenizer, config.model_path)
         self._streams: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
-        self.stats: SchedulerStats | None = None
+        self.stats = SchedulerStats.before_any_step()  # as of the last step
         self.dead_reason: str | None = None
         self._background: set[asyncio.Task] = set()
         # One thread: HF tokenizers are not safe to call from several threads at once.
@@ -120,11 +120,11 @@ class AsyncEngine:
         await self.client.call_utility("reset_prefix_cache")
 
     def replica_stats(self) -> dict[int, SchedulerStats]:
-        """Each serving replica's ``SchedulerStats`` as of its last step (replica 0 alone
-        without data parallelism)."""
+        """Each serving replica's ``SchedulerStats`` as of its last step, idle ones' from start
+        (replica 0 alone without data parallelism)."""
         if isinstance(self.client, AsyncDPClient):
             return dict(self.client.replicas.stats)
-        return {} if self.stats is None else {0: self.stats}
+        return {0: self.stats}
 
     async def check_health(self) -> dict[int, str]:
         """Each replica's state, "ok" or why it died, once every live one answered a ping.

@@ -134,7 +134,9 @@ class EngineArgs:
     kv_offload_policy: str = flag("lru", "CPU tier eviction policy", choices=EVICTION_POLICIES)
     kv_offload_block_size: int | None = flag(None, "tokens per CPU block (a multiple of --block-size)")
     ray_address: str | None = flag(None, "ray: head host:port (default $RAY_ADDRESS, else a local cluster)")
-    ray_placement_strategy: str = flag("PACK", "ray: rank layout", choices=RAY_PLACEMENT_STRATEGIES)
+    ray_placement_strategy: str = flag(
+        "PACK", "ray: rank layout (STRICT_SPREAD: each rank on a node of its own)", choices=RAY_PLACEMENT_STRATEGIES
+    )
     ray_placement_timeout_s: float = flag(60.0, "ray: fail if the ranks are not placed by then", rule=POSITIVE)
     kv_events_endpoint: str | None = flag(
         None, "publish KV events on this ZeroMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (off by default)",

@@ -73,7 +73,7 @@ class ServerMetrics:
 
 
 class _SchedulerStatsCollector(Collector):
-    """Each replica's state as of its last step (nothing before the first one), labelled
+    """Each serving replica's state as of its last step (idle from start), labelled
     ``replica`` (``"0"`` without data parallelism)."""
 
     def __init__(self, replica_stats: Callable[[], dict[int, SchedulerStats]]) -> None:

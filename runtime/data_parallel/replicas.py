@@ -38,7 +38,8 @@ class ReplicaSet:
             for endpoints in event_endpoints
         ]
         self.owner: dict[str, int] = {}  # request id -> replica
-        self.stats: dict[int, SchedulerStats] = {}
+        # Every replica from start, so that /metrics lists one the router has sent nothing yet.
+        self.stats = {replica: SchedulerStats.before_any_step() for replica in range(args.data_parallel_size)}
         self.dead: dict[int, str] = {}
 
     @property

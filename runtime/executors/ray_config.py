@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-RAY_PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
+RAY_PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,12 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "strata"
 CONNECT_TIMEOUT_S = 5.0
+PING_TIMEOUT_S = 2.0
 
 
-@ray.remote
+# Two threads: one serves the steps, the other answers ``node_ip`` even while a step is stuck in
+# a collective, which tells a rank waiting on a peer from a rank that nobody can reach.
+@ray.remote(max_concurrency=2)
 class RankWorker:
     """One tensor-parallel rank in a Ray actor: says where it runs, then serves steps exactly as a
     worker process does (``worker.worker_process.serve``) until told to shut down."""
@@ -87,6 +90,7 @@ class RayExecutor(ZmqExecutor):
         self._placement_group: PlacementGroup | None = None
         self._actors: list[ActorHandle] = []
         self._runs: list[ray.ObjectRef] = []  # one serve task per rank: done means the rank is gone
+        self._node_ips: list[str] = []  # each rank's node, once placed
         try:
             self._start(config, ray_config, startup_timeout_s)
         except BaseException:
@@ -111,9 +115,11 @@ class RayExecutor(ZmqExecutor):
             for rank in range(self.size)
         ]
         deadline = time.monotonic() + startup_timeout_s
-        node_ips = [self._start_up(rank, actor.node_ip.remote(), deadline) for rank, actor in enumerate(self._actors)]
-        logger.info("%s: ranks placed on nodes %s", self.name, node_ips)
-        init_method = f"tcp://{node_ips[0]}:{self._start_up(0, self._actors[0].free_port.remote(), deadline)}"
+        self._node_ips = [
+            self._start_up(rank, actor.node_ip.remote(), deadline) for rank, actor in enumerate(self._actors)
+        ]
+        logger.info("%s: ranks placed on nodes %s", self.name, self._node_ips)
+        init_method = f"tcp://{self._node_ips[0]}:{self._start_up(0, self._actors[0].free_port.remote(), deadline)}"
         # Ray sets each actor's CUDA_VISIBLE_DEVICES to the GPU it assigned, so that one is cuda:0.
         device = "cuda:0" if use_gpu else config.device
         for rank, actor in enumerate(self._actors):
@@ -132,6 +138,21 @@ class RayExecutor(ZmqExecutor):
             raise ExecutorFailed(f"worker rank {rank} died ({_actor_death(error)}) during start-up") from error
         except GetTimeoutError as error:
             raise ExecutorFailed(f"worker rank {rank}'s Ray actor did not answer in time during start-up") from error
+
+    def _rank_name(self, rank: int) -> str:
+        if rank < len(self._node_ips):
+            return f"worker rank {rank} on node {self._node_ips[rank]}"
+        return super()._rank_name(rank)
+
+    def _why_silent(self, ranks: list[int]) -> str:
+        """Which of the silent ranks' actors do not answer Ray either: those are cut off (their
+        node unreachable, or too loaded to answer), the others wait on them in a collective."""
+        pings = {rank: self._actors[rank].node_ip.remote() for rank in ranks}
+        answered, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_TIMEOUT_S, fetch_local=False)
+        cut_off = [self._rank_name(rank) for rank, ping in pings.items() if ping not in answered]
+        if not cut_off:
+            return ""
+        return f"; {', '.join(cut_off)} did not answer Ray within {PING_TIMEOUT_S:g} s either: cut off from this node"
 
     def _exited_ranks(self) -> list[RankExit]:
         if not self._runs:

@@ -51,6 +51,8 @@ class RayNodeOptions:
             raise ValueError("give either --head or --address HEAD:PORT")
         if self.port is not None and not self.head:
             raise ValueError("--port is the head's: a joining node gives --address HEAD:PORT")
+        if self.dashboard and not self.head:
+            raise ValueError("--dashboard is the head's: only the head runs one")
 
 
 def ray_cli() -> str:
@@ -59,9 +61,11 @@ def ray_cli() -> str:
 
 
 def start_command(options: RayNodeOptions) -> list[str]:
-    command = [ray_cli(), "start", "--disable-usage-stats", f"--include-dashboard={str(options.dashboard).lower()}"]
+    command = [ray_cli(), "start", "--disable-usage-stats"]
     if options.head:
-        command += ["--head", "--port", str(options.port or DEFAULT_PORT)]
+        # `ray start` refuses --include-dashboard on a joining node, whatever its value.
+        dashboard = f"--include-dashboard={str(options.dashboard).lower()}"
+        command += [dashboard, "--head", "--port", str(options.port or DEFAULT_PORT)]
     else:
         command += ["--address", options.address]
     for flag, value in [

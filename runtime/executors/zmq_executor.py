@@ -183,8 +183,10 @@ class ZmqExecutor(ABC):
             if self._exited_ranks():
                 raise ExecutorFailed(self._diagnose(None, what))
             if time.monotonic() > deadline:
+                silent = ", ".join(self._rank_name(rank) for rank in sorted(waiting_for))
                 raise ExecutorFailed(
-                    f"worker rank(s) {sorted(waiting_for)} did not answer {what} within {self.worker_timeout_s:.0f} s"
+                    f"{silent} did not answer {what} within {self.worker_timeout_s:.0f} s"
+                    f"{self._why_silent(sorted(waiting_for))}"
                 )
 
     def _diagnose(self, failure: WorkerFailed | None, what: str) -> str:
@@ -194,12 +196,20 @@ class ZmqExecutor(ABC):
         while time.monotonic() < deadline:
             killed = next((gone for gone in self._exited_ranks() if gone.killed), None)
             if killed is not None:
-                return f"worker rank {killed.rank} died ({killed.cause}) during {what}"
+                return f"{self._rank_name(killed.rank)} died ({killed.cause}) during {what}"
             time.sleep(0.05)
         if failure is not None:
-            return f"worker rank {failure.rank} failed during {what}: {failure.message.strip().splitlines()[-1]}"
+            return f"{self._rank_name(failure.rank)} failed during {what}: {failure.message.strip().splitlines()[-1]}"
         gone = self._exited_ranks()[0]
-        return f"worker rank {gone.rank} died ({gone.cause}) during {what}"
+        return f"{self._rank_name(gone.rank)} died ({gone.cause}) during {what}"
+
+    def _rank_name(self, rank: int) -> str:
+        """How errors name ``rank`` (the Ray executor adds its node)."""
+        return f"worker rank {rank}"
+
+    def _why_silent(self, ranks: list[int]) -> str:
+        """What more can be told about ranks that stopped answering, to append to the error."""
+        return ""
 
     def stats(self) -> dict[str, float]:
         return {"ipc_us_per_step": self._ipc_seconds / self._num_steps * 1e6 if self._num_steps else 0.0}

@@ -9,11 +9,13 @@ import sys
 import pytest
 
 from strata.launch.bench import compare_vllm_driver
+from strata.launch.bench import multinode
 from strata.launch.bench.dp_routing import DEFAULT_LOAD, DEFAULT_POLICIES, parse_args
 from strata.launch.cli.main import build_parser
 
 MODULES = (
-    "compare_vllm", "compare_vllm_serve", "compare_vllm_driver", "step_profile", "dp_routing", "speculative", "memory_bound",
+    "compare_vllm", "compare_vllm_serve", "compare_vllm_driver", "step_profile", "dp_routing", "speculative",
+    "memory_bound", "multinode", "netns_cluster",
 )
 
 
@@ -50,3 +52,8 @@ def test_dp_routing_rejects_an_unknown_policy(capsys):
     with pytest.raises(SystemExit):
         parse_args(["72", "fastest"])
     assert "'fastest' is not a policy" in capsys.readouterr().err
+
+
+def test_multinode_passes_the_flags_after_a_double_dash_to_strata_serve():
+    args = multinode.parse_args(["--max-tokens", "8", "--", "--max-num-seqs", "4"])
+    assert (args.max_tokens, args.serve_flags) == (8, ["--max-num-seqs", "4"])

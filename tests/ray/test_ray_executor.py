@@ -67,7 +67,7 @@ def test_killed_rank_actor_fails_in_flight_requests_with_an_error_naming_the_ran
         for output in outputs:
             completion = output.outputs[0]
             assert completion.finish_reason == "error"
-            assert "worker rank 1 died (its Ray actor is dead: it was killed by `ray.kill`)" in completion.error
+            assert "worker rank 1 on node 127.0.0.1 died (its Ray actor is dead: it was killed by `ray.kill`)" in completion.error
         with pytest.raises(EngineDeadError):
             llm.generate("again", LONG, use_tqdm=False)
     finally:

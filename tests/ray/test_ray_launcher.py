@@ -85,7 +85,13 @@ def test_start_command_has_the_serving_defaults_and_passes_extra_flags_on():
         "start", "--disable-usage-stats", "--include-dashboard=false", "--head", "--port", "6379",
         "--node-ip-address", "127.0.0.1", "--object-manager-port", "8076",
     ]
-    assert "--include-dashboard=true" in start_command(RayNodeOptions(address="10.0.0.1:6379", dashboard=True))
+    assert "--include-dashboard=true" in start_command(RayNodeOptions(head=True, dashboard=True))
+
+
+def test_a_joining_node_passes_no_dashboard_flag_which_ray_start_refuses_there():
+    assert not any("dashboard" in arg for arg in start_command(RayNodeOptions(address="10.0.0.1:6379")))
+    with pytest.raises(ValueError, match="--dashboard is the head's"):
+        RayNodeOptions(address="10.0.0.1:6379", dashboard=True)
 
 
 def test_a_loopback_node_address_keeps_ray_on_loopback():
