@@ -10,27 +10,15 @@ how close decode comes to the memory (``compare_vllm --workloads single`` measur
 """
 
 import argparse
-import time
 
 import torch
 
+from strata.launch.bench.step_profile import read_bandwidth
 from strata.worker.attention import get_attention_backend
 from strata.worker.model_loader import gguf_file, load_model, quantized_weights_file, resolve_model_path, weight_bytes
 from strata.worker.parallel_state import TensorParallel
 
-BUFFER_BYTES = 1 << 30
-REPEATS = 5
-
-
-def read_bandwidth() -> float:
-    """Bytes per second that summing a buffer far larger than the caches reads, at best."""
-    buffer = torch.ones(BUFFER_BYTES // 4)
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
-    return BUFFER_BYTES / best
+BUFFER_BYTES = 1 << 30  # far larger than the caches
 
 
 def decode_bytes(quantization: str) -> int:
@@ -47,7 +35,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(BUFFER_BYTES)
     print(f"read bandwidth, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s")
     for label, quantization in (("GGUF blocks", "gguf"), ("bfloat16", "none")):
         step = decode_bytes(quantization)

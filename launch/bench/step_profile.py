@@ -49,10 +49,14 @@ def time_calls(owner: object, name: str, part: str, timers: Timers, calls: colle
 
 def weight_bytes_per_row_step(model: torch.nn.Module) -> int:
     """Bytes of weights a one-row decode step reads: each linear's and the LM head's weight, the
-    streamed copy where the layer streams one-row steps."""
+    streamed copy where the layer streams one-row steps, the blocks where it keeps GGUF blocks."""
     total = 0
     for module in model.modules():
-        if isinstance(module, PlannedLinear):
+        if not isinstance(module, PlannedLinear):
+            continue
+        if module.quantized is not None:
+            total += module.quantized.matrix.nbytes()
+        else:
             weight = module.weight if module.streamed is None else module.streamed.weight
             total += weight.numel() * weight.element_size()
     return total
