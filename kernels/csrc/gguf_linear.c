@@ -32,6 +32,7 @@
 
 #include "dtypes.h"
 #include "kernels.h"
+#include "vector_math.h"
 
 /* ggml's type codes (ggml.h), as GGUF files store them. */
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
@@ -416,9 +417,38 @@ int quantized_linear(const struct QuantizedMatrix *matrix, const void *x, int x_
     return GGUF_OK;
 }
 
+/* The 16 values of a decoded half-run, in float32: exactly ggml's float32 dequantization, one
+ * rounding per multiply and per add (so no multiply-add is fused here). */
+static inline __attribute__((optimize("fp-contract=off"))) vfloat half_run_values(int type, const struct DecodedRun *run, int h)
+{
+    const vfloat scale = (vfloat){0} + run->scale[h];
+    if (type == GGML_Q8_0) return scale * __builtin_convertvector((i8x16)run->u[h], vfloat);
+    const vfloat u = __builtin_convertvector(run->u[h], vfloat);
+    if (run->zero) return scale * (u - (float)run->zero);
+    return scale * u + run->offset[h];
+}
+
+/* `value` rounded to `dtype` at `out` (16 elements). */
+static inline void store_lanes(vfloat value, int dtype, char *out)
+{
+    if (dtype == DTYPE_FLOAT32) {
+        memcpy(out, &value, sizeof value);
+    } else if (dtype == DTYPE_BFLOAT16) {
+        vbits bits;
+        memcpy(&bits, &value, sizeof bits);
+        const vbits rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16; /* to nearest even, as torch */
+        const vhalfbits narrowed = __builtin_convertvector(rounded, vhalfbits);
+        memcpy(out, &narrowed, sizeof narrowed);
+    } else {
+        const vhalf narrowed = __builtin_convertvector(value, vhalf);
+        memcpy(out, &narrowed, sizeof narrowed);
+    }
+}
+
 /* out = the float values of `rows` rows of `cols` values each, stored as `type` blocks, rounded
- * to `out_dtype`: exactly ggml's float32 dequantization, so no multiply-add is fused. */
-__attribute__((optimize("fp-contract=off"))) int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, void *out, int out_dtype,
+ * to `out_dtype`: exactly ggml's float32 dequantization (half_run_values). The weights hold no
+ * NaN (bfloat16 rounding here does not keep one quiet, unlike dtypes.h's). */
+int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, void *out, int out_dtype,
                     int num_threads)
 {
     if (!block_values(type)) return GGUF_UNSUPPORTED_TYPE;
@@ -432,15 +462,9 @@ __attribute__((optimize("fp-contract=off"))) int gguf_dequantize(const uint8_t *
             struct DecodedRun run;
             decode_run(type, data + n * row_bytes + k / runs_per_block * block_bytes(type), (int)(k % runs_per_block),
                        &run);
-            float values[RUN];
-            for (int i = 0; i < RUN; i++) {
-                const float scale = run.scale[i / 16];
-                const uint8_t u = run.u[i / 16][i % 16];
-                if (type == GGML_Q8_0) values[i] = scale * (float)(int8_t)u;
-                else if (run.zero) values[i] = scale * (float)((int)u - run.zero);
-                else values[i] = scale * (float)u + run.offset[i / 16];
-            }
-            store_row(values, out_dtype, (char *)out + (n * cols + k * RUN) * item, RUN);
+            char *destination = (char *)out + (n * cols + k * RUN) * item;
+            store_lanes(half_run_values(type, &run, 0), out_dtype, destination);
+            store_lanes(half_run_values(type, &run, 1), out_dtype, destination + 16 * item);
         }
     }
     return GGUF_OK;
