@@ -1,10 +1,14 @@
 """The EngineCore: scheduler + executor, one step at a time.
 
 This module is the loop body; ``runtime/core_process.py`` runs it in its own process behind
-ZeroMQ sockets. An executor is anything that runs a ``SchedulerOutput`` on the workers.
+ZeroMQ sockets. An executor is anything that runs a ``SchedulerOutput`` on the workers. With
+pipeline parallelism a step keeps up to ``pipeline_depth`` micro-batches in flight (a batch
+queue): it schedules and submits until the queue is full or nothing is left to schedule, then
+completes the oldest.
 """
 
 import random
+from collections import deque
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -53,6 +57,18 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
+class PipelinedExecutor(Executor, Protocol):
+    """An executor that takes a step before the earlier ones are done (pipeline stages)."""
+
+    def submit(self, scheduler_output: SchedulerOutput, grammar_bitmask: Callable[[], bytes] | None = None) -> None:
+        """Send a step on its way; ``grammar_bitmask`` as for ``execute``."""
+        ...
+
+    def collect(self, step: int) -> ModelRunnerOutput:
+        """The output of ``step``, submitted earlier (steps are collected in submission order)."""
+        ...
+
+
 class EngineCore:
     """Steps the scheduler on the executor. With an ``event_publisher``, every step's KV
     events go out as one batch; without, the connector's are still drained and dropped.
@@ -68,6 +84,8 @@ class EngineCore:
         tokenizer_path: str | None = None,
     ) -> None:
         self.executor = executor
+        self.pipeline_depth = config.pipeline_depth
+        self._batch_queue: deque[SchedulerOutput] = deque()  # submitted, not yet collected
         self.event_publisher = event_publisher
         self.scheduler = Scheduler(config, executor.num_blocks, connector, record_kv_events=event_publisher is not None)
         self.tokenizer_path = tokenizer_path
@@ -142,7 +160,9 @@ class EngineCore:
         return finished
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._awaiting_grammar) or bool(self._finished)
+        return (
+            self.scheduler.has_work() or bool(self._awaiting_grammar) or bool(self._finished) or bool(self._batch_queue)
+        )
 
     def step(self) -> EngineCoreOutputs:
         if self.structured is not None and self._awaiting_grammar:
@@ -151,17 +171,10 @@ class EngineCore:
                 # Nothing runs: wait for a grammar here instead of sending the workers empty steps.
                 self.structured.wait_for_compile(GRAMMAR_WAIT_S)
                 self._admit_compiled()
-        if not self.scheduler.has_work():
+        if not self.scheduler.has_work() and not self._batch_queue:
             finished, self._finished = self._finished, []
             return EngineCoreOutputs(finished=finished)
-        scheduler_output = self.scheduler.schedule()
-        constrained = self._constrained_rows()
-        if constrained:
-            rows, request_ids = zip(*constrained)
-            scheduler_output.structured_rows = pack_handles(list(rows))
-            runner_output = self.executor.execute(scheduler_output, lambda: self._fill_bitmask(list(request_ids)))
-        else:
-            runner_output = self.executor.execute(scheduler_output)
+        scheduler_output, runner_output = self._run_step()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.structured is not None and self.structured.matchers:
             self._advance_matchers(outputs)
@@ -174,6 +187,31 @@ class EngineCore:
         if self.event_publisher is not None:
             self.event_publisher.publish(events)
         return outputs
+
+    def _run_step(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        """One step through the executor: at once, or in a pipeline the oldest in flight after
+        filling the batch queue."""
+        if self.pipeline_depth == 1:
+            scheduler_output, grammar_bitmask = self._schedule()
+            return scheduler_output, self.executor.execute(scheduler_output, grammar_bitmask)
+        executor: PipelinedExecutor = self.executor  # type: ignore[assignment]
+        queue = self._batch_queue
+        while len(queue) < self.pipeline_depth and (not queue or self.scheduler.has_unscheduled_work()):
+            scheduler_output, grammar_bitmask = self._schedule()
+            executor.submit(scheduler_output, grammar_bitmask)
+            queue.append(scheduler_output)
+        scheduler_output = queue.popleft()
+        return scheduler_output, executor.collect(scheduler_output.step)
+
+    def _schedule(self) -> tuple[SchedulerOutput, Callable[[], bytes] | None]:
+        """The next step, and what fills its grammar masks if it has constrained rows."""
+        scheduler_output = self.scheduler.schedule()
+        constrained = self._constrained_rows()
+        if not constrained:
+            return scheduler_output, None
+        rows, request_ids = zip(*constrained)
+        scheduler_output.structured_rows = pack_handles(list(rows))
+        return scheduler_output, lambda: self._fill_bitmask(list(request_ids))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, so the next requests compute their prompts afresh (blocks

@@ -6,6 +6,11 @@ Running requests go first, in queue order; then waiting ones while budget, seque
 and KV blocks last. When blocks run out, the last running request (lowest priority, or
 latest arrival under FCFS) is preempted by recompute. Under the priority policy, a waiting
 request that outranks the last running one and does not fit preempts it too.
+
+With pipeline parallelism up to ``pipeline_depth`` steps (micro-batches) are in flight at once:
+``schedule`` may run again before earlier steps' outputs are back, a request is in at most one
+of them (one in flight is neither scheduled nor preempted), and the running requests are shared
+out so that the micro-batches are of similar size.
 """
 
 import heapq
@@ -46,7 +51,8 @@ BOOSTED = float("-inf")
 class SchedulerConfig:
     """Step budgets and policies. ``starvation_steps``: a waiting request at the head of the
     queue that has been passed over for this many steps while others ran may preempt one.
-    ``speculative``: how decoding requests get drafts to verify (off by default)."""
+    ``speculative``: how decoding requests get drafts to verify (off by default).
+    ``pipeline_depth``: steps that may be in flight at once (the pipeline's stages)."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -56,9 +62,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     starvation_steps: int | None = 1000
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    pipeline_depth: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "pipeline_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_num_seqs > MAX_HANDLES // 2:
@@ -92,7 +99,7 @@ class Scheduler:
         self.num_waiting = 0
         self._arrivals = 0
         self._step = 0
-        self._scheduled: list[Request] = []
+        self._in_flight: dict[int, list[Request]] = {}  # step -> its requests in batch order, until its output
         # Held blocks (a connector's copies still read them; free within a step or so) that
         # requests short of blocks are waiting for this step, instead of preempting more.
         self._awaited_held_blocks = 0
@@ -178,8 +185,13 @@ class Scheduler:
 
     @property
     def scheduled_requests(self) -> list[Request]:
-        """The step's requests in batch order, between ``schedule`` and ``update_from_output``."""
-        return self._scheduled
+        """The last scheduled step's requests in batch order, until its ``update_from_output``."""
+        return self._in_flight.get(self._step, [])
+
+    def has_unscheduled_work(self) -> bool:
+        """Whether a step scheduled now could run anything: a waiting request, or a running one
+        not in flight."""
+        return self.num_waiting > 0 or any(not request.in_flight for request in self.running)
 
     def has_work(self) -> bool:
         """Requests to run, outputs to deliver, or blocks a connector copy still holds (the
@@ -204,7 +216,12 @@ class Scheduler:
         used_by_new = 0
         if len(output.preempted_handles) == preempted_by_guard:  # no admissions after a squeeze
             scheduled_new, used_by_new = self._schedule_waiting(output, budget - used)
-        self._scheduled = scheduled_new + scheduled_running
+        scheduled = scheduled_new + scheduled_running
+        self._in_flight[self._step] = scheduled
+        if self.config.pipeline_depth > 1:
+            for request in scheduled:
+                request.in_flight = True
+            self._sync_sampled_tokens(output, scheduled_running)
         output.total_num_scheduled_tokens = used + used_by_new
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
@@ -219,9 +236,13 @@ class Scheduler:
         multi_token = output.cached.num_tokens
         new_block_ids = output.cached.new_block_ids
         dropped = False
+        # In a pipeline, this micro-batch takes its share of the running requests.
+        share = -(-len(self.running) // self.config.pipeline_depth)
         for request in self.running:
-            if budget == 0:
+            if budget == 0 or len(handles) == share:
                 break
+            if request.in_flight:
+                continue
             computed = request.num_computed_tokens
             num_new = len(request.all_token_ids) - computed
             drafts = None
@@ -253,6 +274,31 @@ class Scheduler:
         output.cached.handles = pack_handles(handles)
         return scheduled, start_budget - budget
 
+    @staticmethod
+    def _sync_sampled_tokens(output: SchedulerOutput, scheduled_running: list[Request]) -> None:
+        """Tell the pipeline stages before the last, which sample nothing, the tokens each
+        running request gained since it was last scheduled."""
+        tokens: list[int] = []
+        counts = output.cached.num_sampled
+        for request in scheduled_running:
+            gained = request.all_token_ids[request.num_synced_tokens :]
+            if len(gained) != 1:
+                counts[request.handle] = len(gained)
+            tokens.extend(gained)
+            request.num_synced_tokens += len(gained)
+        output.cached.sampled_token_ids = pack_tokens(tokens)
+
+    def _pop_preemptable(self) -> Request | None:
+        """Take the last running request that is not in flight out of ``running``."""
+        index = self._last_preemptable()
+        return None if index is None else self.running.pop(index)
+
+    def _last_preemptable(self) -> int | None:
+        for index in range(len(self.running) - 1, -1, -1):
+            if not self.running[index].in_flight:
+                return index
+        return None
+
     def _propose(self, request: Request, room: int) -> list[int]:
         """Drafts for a decoding request: at most ``room`` (the budget left after its token),
         none that would run past its length limit."""
@@ -279,7 +325,8 @@ class Scheduler:
             if missing <= self.kv.num_releasable_blocks - self._awaited_held_blocks:
                 self._awaited_held_blocks += missing
                 return None
-            victim = self.running.pop()
+            victim = self._pop_preemptable()  # never None: ``request`` itself is not in flight
+            assert victim is not None
             self._preempt(victim, output)
             if victim is request:
                 return None
@@ -379,6 +426,7 @@ class Scheduler:
             )
         )
         request.num_computed_tokens = num_computed + num_new
+        request.num_synced_tokens = len(request.all_token_ids)
         return num_new
 
     def _finish_unfittable(self, request: Request) -> None:
@@ -406,16 +454,17 @@ class Scheduler:
         """Let a long-starved waiting head jump the queue and take a running request's place."""
         limit = self.config.starvation_steps
         head = self._peek_waiting()
-        if limit is None or head is None or not self.running or head.waited_steps <= limit:
+        victim = self._last_preemptable()
+        if limit is None or head is None or victim is None or head.waited_steps <= limit:
             return
-        if self.running[-1].queue_key[0] == BOOSTED:
+        if self.running[victim].queue_key[0] == BOOSTED:
             return  # boosted requests are never squeezed out again: no ping-pong livelock
         if head.queue_key[0] != BOOSTED:
             self._pop_waiting()
             head.queue_key = (BOOSTED, float(self._step), head.queue_key[2])
             self._push_waiting(head)
         head.waited_steps = 0
-        self._preempt(self.running.pop(), output)
+        self._preempt(self.running.pop(victim), output)
 
     def _preempt_for_priority(self, output: SchedulerOutput) -> None:
         """Under the priority policy, preempt from the back of ``running`` while the waiting
@@ -427,8 +476,11 @@ class Scheduler:
         head = self._peek_waiting()
         if head is None or head.status == RequestStatus.WAITING_FOR_KV:
             return
-        while self.running and head.queue_key < self.running[-1].queue_key and not self._would_fit(head):
-            self._preempt(self.running.pop(), output)
+        while True:
+            victim = self._last_preemptable()
+            if victim is None or head.queue_key >= self.running[victim].queue_key or self._would_fit(head):
+                return
+            self._preempt(self.running.pop(victim), output)
 
     def _would_fit(self, request: Request) -> bool:
         """Whether a waiting request would be admitted this step: a sequence slot, and blocks
@@ -469,13 +521,14 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Append the sampled tokens, apply stop rules, free finished requests, and return
         what the frontend must hear about this step."""
-        if runner_output.step != scheduler_output.step or scheduler_output.step != self._step:
+        if runner_output.step != scheduler_output.step or scheduler_output.step not in self._in_flight:
             raise ValueError(
-                f"output of step {runner_output.step} does not answer step {self._step}"
+                f"output of step {runner_output.step} does not answer a step in flight ({sorted(self._in_flight)})"
             )
         tokens = unpack_tokens(runner_output.sampled_token_ids)
-        scheduled = self._scheduled
-        self._scheduled = []
+        scheduled = self._in_flight.pop(scheduler_output.step)
+        for request in scheduled:
+            request.in_flight = False
         if len(tokens) != len(scheduled):
             raise ValueError(f"{len(tokens)} sampled tokens for {len(scheduled)} scheduled requests")
         request_ids: list[str] = []

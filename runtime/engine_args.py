@@ -106,6 +106,13 @@ class EngineArgs:
     )
     device: str = flag("auto", "cpu, cuda, cuda:K (mp ranks take cuda:K, cuda:K+1, ...) or auto")
     tensor_parallel_size: int = flag(1, short="-tp", rule=at_least(1))
+    pipeline_parallel_size: int = flag(
+        1, "pipeline stages, each a contiguous run of decoder layers on its own tensor-parallel ranks",
+        short="-pp", rule=at_least(1),
+    )
+    pipeline_layer_partition: list[int] | None = flag(
+        None, "decoder layers per pipeline stage, e.g. 7,9 (default: balanced by layer count)"
+    )
     executor: str = flag("mp", "uni: one process (debugging)", choices=EXECUTORS)
     max_num_batched_tokens: int = flag(2048, "token budget per step")
     max_num_seqs: int = flag(256, "most requests in one step")
@@ -130,7 +137,7 @@ class EngineArgs:
     ngram_max: int = flag(4, "ngram: longest suffix matched, tried first", rule=at_least(1))
     attention_backend: str | None = flag(None, choices=ATTENTION_BACKENDS)
     worker_timeout_s: float = flag(60.0, "a worker silent this long is declared hung")
-    kv_offload_cpu_bytes: int | None = flag(None, "CPU KV tier size, total over TP ranks (off by default)")
+    kv_offload_cpu_bytes: int | None = flag(None, "CPU KV tier size, total over all ranks (off by default)")
     kv_offload_policy: str = flag("lru", "CPU tier eviction policy", choices=EVICTION_POLICIES)
     kv_offload_block_size: int | None = flag(None, "tokens per CPU block (a multiple of --block-size)")
     ray_address: str | None = flag(None, "ray: head host:port (default $RAY_ADDRESS, else a local cluster)")
@@ -160,6 +167,16 @@ class EngineArgs:
                 field.metadata["flag"].check(field.name, value)
         if self.executor == "uni" and self.tensor_parallel_size != 1:
             raise ValueError("the uni executor runs one rank: use --executor mp for tensor parallelism")
+        if self.executor == "uni" and self.pipeline_parallel_size != 1:
+            raise ValueError(
+                "the uni executor runs one rank: --pipeline-parallel-size needs --executor mp or ray"
+            )
+        partition = self.pipeline_layer_partition
+        if partition is not None and (len(partition) != self.pipeline_parallel_size or min(partition) < 1):
+            raise ValueError(
+                f"pipeline_layer_partition {partition} must give each of the {self.pipeline_parallel_size} "
+                "pipeline stages (--pipeline-parallel-size) at least one layer"
+            )
         if self.executor == "uni" and self.data_parallel_size != 1:
             raise ValueError("the uni executor runs one replica: use --executor mp or ray for data parallelism")
         if self.executor == "ray" and self.data_parallel_size > 1 and not (self.ray_address or os.environ.get("RAY_ADDRESS")):
@@ -253,7 +270,10 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
 
     path = resolve_model_path(args.model)
     model_config = json.loads((path / "config.json").read_text())
-    model_class(model_config.get("model_type", ""), model_config.get("architectures"))  # fail before any process starts
+    # Fail before any process starts.
+    model_cls = model_class(model_config.get("model_type", ""), model_config.get("architectures"))
+    if args.pipeline_parallel_size > 1:
+        _check_pipeline_split(args, model_cls, model_config)
     model_max = int(model_config.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP))
     if args.max_model_len is None:
         max_model_len = min(model_max, DEFAULT_MAX_MODEL_LEN_CAP)
@@ -269,6 +289,7 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
         policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
         speculative=args.speculative_config(),
+        pipeline_depth=args.pipeline_parallel_size,
     )
     engine_fields = dataclasses.asdict(args)
     same_named = {name: engine_fields[name] for name in WorkerConfig.__struct_fields__ if name in engine_fields}
@@ -285,6 +306,17 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
         path, _tokenizer_path(args, path), scheduler, worker, args.executor, args.worker_timeout_s, ray_config,
         args.kv_offload_policy, args.kv_events_endpoint, args.kv_events_replay_endpoint,
     )
+
+
+def _check_pipeline_split(args: EngineArgs, model_cls: type, model_config: dict[str, Any]) -> None:
+    """Refuse a model family that cannot be split into stages, or a split its layers cannot fill."""
+    if not model_cls.supports_pipeline_parallel:
+        raise ValueError(
+            f"{model_cls.__name__} does not support --pipeline-parallel-size > 1 (its decoder runs as one stage)"
+        )
+    from strata.worker.pipeline_parallel import split_layers
+
+    split_layers(int(model_config["num_hidden_layers"]), args.pipeline_parallel_size, args.pipeline_layer_partition)
 
 
 def _tokenizer_path(args: EngineArgs, model_path: Path) -> Path | None:

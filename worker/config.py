@@ -37,5 +37,7 @@ class WorkerConfig(msgspec.Struct):
     kv_offload_cpu_bytes: int | None = None  # CPU tier, total over all ranks
     kv_offload_block_size: int | None = None  # tokens per CPU block, a multiple of block_size
     tensor_parallel_size: int = 1
-    rank: int = 0
+    pipeline_parallel_size: int = 1
+    pipeline_layer_partition: list[int] | None = None  # decoder layers per stage; None: balanced
+    rank: int = 0  # global: pipeline stage * tensor_parallel_size + tensor-parallel rank
     distributed_init_method: str = ""

@@ -20,6 +20,7 @@ from strata.worker.attention import AttentionBackend, AttentionMetadata
 from strata.worker.layers import RotaryEmbedding, apply_rotary
 from strata.worker.llama import LlamaAttention, LlamaForCausalLM
 from strata.worker.parallel_state import TensorParallel
+from strata.worker.pipeline_parallel import WHOLE_MODEL, PipelineStage
 from strata.worker.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -162,9 +163,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """A Gemma 3 text model on one tensor-parallel rank: the Llama family's loading, checkpoint
     names and KV-cache attributes around Gemma's own layers and decoder."""
 
-    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
+    supports_pipeline_parallel = False  # its decoder scales embeddings and rotates per layer type: one stage only
+
+    def __init__(
+        self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend, stage: PipelineStage = WHOLE_MODEL
+    ) -> None:
         _check_supported(config)
-        super().__init__(config, tp, attn_backend)
+        super().__init__(config, tp, attn_backend, stage)
         self.final_logit_softcapping = config.final_logit_softcapping
 
     def decoder_layer(
@@ -177,7 +182,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     ) -> Gemma3DecoderLayer:
         return Gemma3DecoderLayer(config, tp, attn_backend, sliding_window)
 
-    def decoder(self, config: PreTrainedConfig, tp: TensorParallel, layers: Iterable[nn.Module]) -> Gemma3Model:
+    def decoder(
+        self, config: PreTrainedConfig, tp: TensorParallel, layers: Iterable[nn.Module], stage: PipelineStage
+    ) -> Gemma3Model:
         return Gemma3Model(config, tp, layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

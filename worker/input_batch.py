@@ -127,6 +127,32 @@ class InputBatch:
         self.num_tokens[row] = start + len(produced)
         self.num_computed[row] = start + len(produced) - 1
 
+    def advance_computed(self, rows: np.ndarray, num_scheduled: np.ndarray) -> None:
+        """A pipeline stage before the last samples nothing: count the step's tokens as computed;
+        ``append_sampled`` brings the tokens the last stage sampled with the rows' next step."""
+        self.num_computed[rows] += num_scheduled
+
+    def append_sampled(self, rows: np.ndarray, packed: bytes, counts: dict[int, int]) -> None:
+        """Append the tokens each of ``rows`` gained since its last step (``packed`` int32 in row
+        order, one per row unless ``counts`` says otherwise): its last token is then the only one
+        not computed, as after a sampled or verified step on the last stage."""
+        tokens = np.frombuffer(packed, dtype=np.int32)
+        if not counts:
+            ends = self.num_tokens[rows]
+            self.token_ids[rows, ends] = tokens
+            self.num_tokens[rows] = ends + 1
+            self.num_computed[rows] = ends
+            return
+        offset = 0
+        for row in rows.tolist():
+            count = counts.get(row, 1)
+            if count:
+                start = self.num_tokens[row]
+                self.token_ids[row, start : start + count] = tokens[offset : offset + count]
+                self.num_tokens[row] = start + count
+                self.num_computed[row] = start + count - 1
+                offset += count
+
     def advance(self, rows: np.ndarray, num_scheduled: np.ndarray, sampled: np.ndarray) -> np.ndarray:
         """Count the step's tokens as computed and append the sampled token to every row
         whose prompt (or last token) is now fully computed. Returns that row mask."""

@@ -126,7 +126,8 @@ class KVCacheSizer:
                 f"kv_offload_block_size ({offload_block_size}) must be a multiple of block_size ({self.block_size})"
             )
         per_block = self.bytes_per_block() * (offload_block_size // self.block_size)
-        num_blocks = total // self.tp.size // per_block
+        num_ranks = self.tp.size * self.config.pipeline_parallel_size
+        num_blocks = total // num_ranks // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_offload_cpu_bytes={total} holds no offload block of {per_block} bytes per rank")
         return num_blocks
@@ -184,8 +185,12 @@ class KVCacheSizer:
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         token_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(token_ids, to_device(positions, self.device), caches, meta)
-        sample(self.model.compute_logits(hidden[to_device(ends - 1, self.device)]), sampling)
+        stage_input = self.model.stage_input_buffer(num_tokens)
+        if stage_input is not None:
+            stage_input.zero_()
+        hidden = self.model(token_ids, to_device(positions, self.device), caches, meta, stage_input)
+        if self.model.stage.is_last:
+            sample(self.model.compute_logits(hidden[to_device(ends - 1, self.device)]), sampling)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del caches, hidden

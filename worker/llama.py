@@ -13,6 +13,7 @@ checkpoints, except that q/k/v and gate/up are merged into one matmul each (``qk
 ``gate_up_proj``).
 """
 
+import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ from strata.kernels import cpu_decoder_layer, cpu_layers
 from strata.worker.attention import AttentionBackend, AttentionMetadata
 from strata.worker.layers import RMSNorm, RotaryEmbedding, apply_rotary, partition_heads, silu_and_mul
 from strata.worker.parallel_state import TensorParallel
+from strata.worker.pipeline_parallel import WHOLE_MODEL, PipelineStage
 from strata.worker.tp_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -38,6 +40,7 @@ if TYPE_CHECKING:  # only for the annotation: fused_decode_layers imports this m
 
 # The checkpoint matrices a merged layer holds, in part order.
 _MERGED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def sliding_windows(config: PreTrainedConfig) -> list[int | None]:
@@ -176,15 +179,32 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix)."""
+class OtherStageLayer(nn.Module):
+    """Holds the place of a decoder layer another pipeline stage runs, so that layer indices,
+    and the checkpoint names built from them, stay the model's own."""
 
-    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, layers: Iterable[nn.Module]) -> None:
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix), or the part
+    of them one pipeline stage holds: the embedding on the first stage (and on the last when the
+    head is tied to it), the norm on the last."""
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        tp: TensorParallel,
+        layers: Iterable[nn.Module],
+        stage: PipelineStage = WHOLE_MODEL,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.stage = stage
+        self.stage_layers = stage.layers(config.num_hidden_layers)
+        if stage.is_first or (stage.is_last and getattr(config, "tie_word_embeddings", False)):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config, self.layers[0].self_attn.head_dim)
+        if stage.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, self.layers[self.stage_layers.start].self_attn.head_dim)
 
     def forward(
         self,
@@ -192,13 +212,21 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        stage_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        """The final hidden states, or on a stage before the last the ``[2, T, hidden]`` output and
+        residual of its last layer for the next stage, which passes them as ``stage_input``."""
+        if stage_input is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = stage_input[0], stage_input[1]
         cos, sin = self.rotary_emb(positions)
         fused_step = self.fused_step(hidden, cos, sin, meta)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        stage_layers = self.layers[self.stage_layers.start : self.stage_layers.stop]
+        for layer, kv_cache in zip(stage_layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, fused_step)
+        if not self.stage.is_last:
+            return torch.stack((hidden, residual))
         return self.norm(hidden, residual)[0]
 
     def fused_step(
@@ -206,7 +234,7 @@ class LlamaModel(nn.Module):
     ) -> cpu_decoder_layer.Step | None:
         """The step's arguments for the layers' fused C halves, or None: no layer is fused, or
         the step has more rows than they take."""
-        fused = self.layers[0].fused
+        fused = self.layers[self.stage_layers.start].fused
         if fused is None or hidden.shape[0] > fused.max_rows:
             return None
         return cpu_decoder_layer.decode_step(
@@ -222,22 +250,48 @@ class LlamaForCausalLM(nn.Module):
     ``[2, num_blocks, block_size, num_kv_heads_per_rank, head_dim]``) and ``vocab_size``.
     Other families subclass it and override ``decoder_layer`` (``decoder`` too where the layers
     are joined differently, and ``checkpoint_name`` where their checkpoints name modules
-    differently).
+    differently). With a pipeline ``stage`` it holds that stage's layers only (``num_layers``
+    counts them); ``supports_pipeline_parallel`` says whether a family's decoder can be split.
     """
 
-    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend) -> None:
+    supports_pipeline_parallel = True
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        tp: TensorParallel,
+        attn_backend: AttentionBackend,
+        stage: PipelineStage = WHOLE_MODEL,
+    ) -> None:
         super().__init__()
+        if stage.size > 1 and not self.supports_pipeline_parallel:
+            raise ValueError(f"{type(self).__name__} does not support pipeline parallelism")
+        self.stage = stage
+        stage_layers = stage.layers(config.num_hidden_layers)
         layers = (
-            self.decoder_layer(config, tp, attn_backend, index, window)
+            self.decoder_layer(config, tp, attn_backend, index, window) if index in stage_layers else OtherStageLayer()
             for index, window in enumerate(sliding_windows(config))
         )
-        self.model = self.decoder(config, tp, layers)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        self.model = self.decoder(config, tp, layers, stage)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        attention = self.model.layers[0].self_attn
-        self.num_layers = config.num_hidden_layers
+        if stage.is_last:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+            if self.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+        # Checkpoint tensors of the modules other stages hold: skipped, never read.
+        self._other_stage_prefixes = tuple(
+            prefix
+            for prefix, here in (
+                ("model.embed_tokens.", hasattr(self.model, "embed_tokens")),
+                ("model.norm.", stage.is_last),
+                ("lm_head.", stage.is_last),
+            )
+            if not here
+        )
+        self._stage_layers = stage_layers
+        self.hidden_size = config.hidden_size
+        attention = self.model.layers[stage_layers.start].self_attn
+        self.num_layers = len(stage_layers)
         self.num_kv_heads_per_rank = attention.num_kv_heads
         self.head_dim = attention.head_dim
         self.vocab_size = config.vocab_size
@@ -253,9 +307,12 @@ class LlamaForCausalLM(nn.Module):
         """Layer ``index`` of the decoder, attending within ``sliding_window`` positions if given."""
         return LlamaDecoderLayer(config, LlamaAttention(config, tp, attn_backend, sliding_window), LlamaMLP(config, tp))
 
-    def decoder(self, config: PreTrainedConfig, tp: TensorParallel, layers: Iterable[nn.Module]) -> nn.Module:
-        """The decoder around ``layers``: embedding, the layers and the final norm."""
-        return LlamaModel(config, tp, layers)
+    def decoder(
+        self, config: PreTrainedConfig, tp: TensorParallel, layers: Iterable[nn.Module], stage: PipelineStage
+    ) -> nn.Module:
+        """The decoder around ``layers``: embedding, the layers and the final norm, as far as
+        ``stage`` holds them."""
+        return LlamaModel(config, tp, layers, stage)
 
     def forward(
         self,
@@ -263,9 +320,18 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        stage_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of a flat batch of ``T`` tokens."""
-        return self.model(input_ids, positions, kv_caches, meta)
+        """Final hidden states ``[T, hidden]`` of a flat batch of ``T`` tokens; with pipeline
+        stages, see ``LlamaModel.forward``."""
+        return self.model(input_ids, positions, kv_caches, meta, stage_input)
+
+    def stage_input_buffer(self, num_tokens: int) -> torch.Tensor | None:
+        """Room for a step's ``stage_input`` from the previous stage; None on the first stage."""
+        if self.stage.is_first:
+            return None
+        weight = next(self.parameters())
+        return torch.empty(2, num_tokens, self.hidden_size, dtype=weight.dtype, device=weight.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the full vocabulary, on every rank."""
@@ -284,6 +350,8 @@ class LlamaForCausalLM(nn.Module):
         for name, source in weights:
             # Rotary frequencies come from the config; a tied head is the embedding tensor.
             if name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            if self._held_by_other_stage(name):
                 continue
             if name not in targets:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
@@ -304,6 +372,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks tensors: {', '.join(sorted(missing))}")
         if self.tie_word_embeddings and self.model.embed_tokens.quantized is not None:
             self.lm_head.quantized, self.lm_head.weight = self.model.embed_tokens.quantized, None
+
+    def _held_by_other_stage(self, name: str) -> bool:
+        layer = _LAYER_INDEX.match(name)
+        if layer is not None:
+            return int(layer[1]) not in self._stage_layers
+        return name.startswith(self._other_stage_prefixes)
 
     def _checkpoint_targets(self) -> dict[str, tuple[str, int | None]]:
         """Checkpoint tensor name -> (our parameter, part of it or None) for every tensor the

@@ -42,6 +42,7 @@ from strata.worker.gguf_weights import GgufFile
 from strata.worker.llama import LlamaForCausalLM
 from strata.worker.model_registry import model_class
 from strata.worker.parallel_state import TensorParallel
+from strata.worker.pipeline_parallel import WHOLE_MODEL, PipelineStage
 from strata.worker.scaled_weights import ScaledScheme, load_scaled_weights
 from strata.worker.tp_layers import TensorSource
 
@@ -234,6 +235,7 @@ def load_model(
     load_format: str = "auto",
     blocks_from: Path | None = None,
     scaled: ScaledScheme | None = None,
+    stage: PipelineStage = WHOLE_MODEL,
 ) -> LlamaForCausalLM:
     """Build the model ``path/config.json`` describes on ``device`` and load this rank's weights.
 
@@ -242,14 +244,15 @@ def load_model(
     file ``path`` was converted from, see ``quantized_weights_file``) the tensors that file
     stores in blocks come from it, still in blocks. ``"dummy"``: seeded random weights of the
     config's shapes (``dummy_weights``), for runs that need no checkpoint. With ``scaled`` the
-    linears end up with 8-bit weights (``worker/scaled_weights.py``).
+    linears end up with 8-bit weights (``worker/scaled_weights.py``). A pipeline ``stage`` builds
+    and reads only that stage's part of the model.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     model_cls = model_class(config.model_type, config.architectures)
     with torch.device(device), _default_dtype(dtype):
-        model = model_cls(config, tp, attn_backend)
+        model = model_cls(config, tp, attn_backend, stage)
     if load_format == "dummy":
         weights = dummy_weights(config, dtype, device)
     elif blocks_from is not None:

@@ -24,6 +24,7 @@ from strata.worker.cpu_linear_plan import (
 )
 from strata.worker.model_loader import load_model, quantized_weights_file, resolve_dtype, weight_bytes
 from strata.worker.parallel_state import TensorParallel
+from strata.worker.pipeline_parallel import WHOLE_MODEL, StageLink
 from strata.worker.prompt_logprobs import compute_prompt_logprobs, prompt_spans
 from strata.worker.sampler import SamplingMetadata, sample
 from strata.worker.scaled_weights import scaled_scheme
@@ -35,11 +36,14 @@ IDLE_TRANSFER_WAIT_S = 0.02
 
 
 class ModelRunner:
-    """Owns the model, this rank's KV cache and the persistent batch."""
+    """Owns the model, this rank's KV cache and the persistent batch. With a pipeline ``link``
+    it runs its stage's layers: a stage after the first takes its input from the previous
+    stage, one before the last hands its output on and samples nothing."""
 
-    def __init__(self, config: WorkerConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: WorkerConfig, tp: TensorParallel, link: StageLink | None = None) -> None:
         self.config = config
         self.tp = tp
+        self.link = link
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()
@@ -50,8 +54,9 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, self.device)
         blocks_from = quantized_weights_file(config.quantization, config.gguf_file, self.device)
         scaled = scaled_scheme(config.quantization, Path(config.model), self.device)
+        stage = link.stage if link is not None else WHOLE_MODEL
         self.model = load_model(
-            config.model, self.dtype, tp, self.backend, self.device, config.load_format, blocks_from, scaled
+            config.model, self.dtype, tp, self.backend, self.device, config.load_format, blocks_from, scaled, stage
         )
         logger.info("rank %d: weights hold %.1f MB", tp.rank, weight_bytes(self.model) / 1e6)
         if scaled is not None:
@@ -107,19 +112,29 @@ class ModelRunner:
                 # engine spin through empty steps (which, in one process, starve the copy
                 # thread of the GIL).
                 self.offload.wait_for_progress(IDLE_TRANSFER_WAIT_S)
-            return ModelRunnerOutput(step=step.step, rank=self.tp.rank, kv_connector_output=self._finished_transfers())
+            return ModelRunnerOutput(step=step.step, rank=self.config.rank, kv_connector_output=self._finished_transfers())
         inputs = self.batch.prepare(rows, num_scheduled)
         graph_size = self.graphs.size_for(num_scheduled) if self.graphs is not None else None
         if graph_size is not None:
             # Decode-only, one token per row: the last hidden states are all the hidden states.
             hidden = last_hidden = self.graphs.run(inputs, graph_size)
         else:
+            stage_input = self.model.stage_input_buffer(len(inputs.token_ids))
+            if stage_input is not None:
+                assert self.link is not None
+                self.link.receive(stage_input)
             hidden = self.model(
                 self._to_device(inputs.token_ids),
                 self._to_device(inputs.positions),
                 self.kv_caches,
                 self._attention_metadata(inputs),
+                stage_input,
             )
+            if not self.model.stage.is_last:
+                assert self.link is not None
+                self.link.send(hidden)
+                self.batch.advance_computed(rows, num_scheduled)
+                return ModelRunnerOutput(step=step.step, rank=self.config.rank, kv_connector_output=self._finished_transfers())
             last_hidden = hidden[self._to_device(inputs.query_start_loc[1:] - 1)]
         spans = prompt_spans(self.batch, inputs)
         prompt_logprobs = compute_prompt_logprobs(spans, hidden, self.model.compute_logits) if spans else {}
@@ -150,7 +165,7 @@ class ModelRunner:
             self.batch.accept(int(rows[index]), row_tokens)
         return ModelRunnerOutput(
             step=step.step,
-            rank=self.tp.rank,
+            rank=self.config.rank,
             sampled_token_ids=pack_tokens(sampled.tolist()),
             logprobs=logprobs,
             kv_connector_output=self._finished_transfers(),
@@ -175,6 +190,8 @@ class ModelRunner:
         for handle, block_ids in step.cached.new_block_ids.items():
             self.batch.append_blocks(handle, block_ids)
         cached = np.frombuffer(step.cached.handles, dtype=np.uint16).astype(np.int64)
+        if not self.model.stage.is_last:
+            self.batch.append_sampled(cached, step.cached.sampled_token_ids, step.cached.num_sampled)
         rows = np.concatenate(([new.handle for new in step.new_requests], cached)).astype(np.int64)
         num_scheduled = np.ones(len(rows), dtype=np.int64)
         num_scheduled[: len(step.new_requests)] = [new.num_scheduled_tokens for new in step.new_requests]
@@ -275,14 +292,17 @@ def cuda_graph_sizes(config: WorkerConfig, tp: TensorParallel, device: torch.dev
     if not backend.graph_capturable:
         logger.info("rank %d: no CUDA graphs: the %s attention backend cannot be captured", tp.rank, backend.name)
         return []
+    if config.pipeline_parallel_size > 1:
+        logger.info("rank %d: no CUDA graphs: pipeline stages hand hidden states on outside the graph", config.rank)
+        return []
     if tp.size > 1 and dist.get_backend(tp.group) != "nccl":
         logger.info("rank %d: no CUDA graphs: %s collectives cannot be captured", tp.rank, dist.get_backend(tp.group))
         return []
     return graph_batch_sizes(config.max_num_seqs, config.cuda_graph_sizes)
 
 
-def default_num_threads(tensor_parallel_size: int) -> int:
-    """Torch threads per rank: honour OMP_NUM_THREADS, else share the cores among ranks."""
+def default_num_threads(num_ranks: int) -> int:
+    """Torch threads per rank: honour OMP_NUM_THREADS, else share the cores among the ``num_ranks`` ranks."""
     if "OMP_NUM_THREADS" in os.environ:
         return int(os.environ["OMP_NUM_THREADS"])
-    return max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+    return max(1, (os.cpu_count() or 1) // num_ranks)

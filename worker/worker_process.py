@@ -1,6 +1,6 @@
-"""A tensor-parallel worker process: ``python -m strata.worker.worker_process`` with its config
-(msgpack) on stdin. It runs every step the executor broadcasts and answers on the results
-socket; rank 0's answer carries the sampled tokens."""
+"""A worker process: ``python -m strata.worker.worker_process`` with its config (msgpack) on
+stdin. It runs every step the executor sends and answers on the results socket; the answer of
+the first tensor-parallel rank of the last pipeline stage carries the sampled tokens."""
 
 import logging
 import sys
@@ -24,7 +24,8 @@ from strata.engine_core.zmq_curve import WorkerCurveKeys, secure_client
 from strata.worker.config import WorkerConfig
 from strata.worker.devices import check_device_visible
 from strata.worker.model_runner import ModelRunner, default_num_threads
-from strata.worker.parallel_state import init_tensor_parallel
+from strata.worker.parallel_state import TensorParallel, init_tensor_parallel
+from strata.worker.pipeline_parallel import PipelineStage, StageLink, destroy_model_parallel, init_model_parallel
 
 logger = logging.getLogger("worker")
 
@@ -45,15 +46,17 @@ def serve(config: WorkerProcessConfig) -> None:
     encoder = msgspec.msgpack.Encoder()
     tp = None
     try:
-        torch.set_num_threads(default_num_threads(config.worker.tensor_parallel_size))
+        num_ranks = config.worker.tensor_parallel_size * config.worker.pipeline_parallel_size
+        torch.set_num_threads(default_num_threads(num_ranks))
         device = config.worker.device
-        check_device_visible(device, rank, config.worker.tensor_parallel_size, torch.cuda.device_count())
-        tp = init_tensor_parallel(rank, config.worker.tensor_parallel_size, config.worker.distributed_init_method, device)
-        runner = ModelRunner(config.worker, tp)
+        check_device_visible(device, rank, num_ranks, torch.cuda.device_count())
+        tp, link = _join_groups(config.worker)
+        runner = ModelRunner(config.worker, tp, link)
         ready = WorkerReady(rank, runner.num_blocks, runner.model.vocab_size, runner.num_cpu_blocks)
         results.send(encoder.encode(ready))
+        samples = runner.model.stage.is_last and tp.rank == 0
         try:
-            _run_steps(runner, steps, results, encoder, rank)
+            _run_steps(runner, steps, results, encoder, rank, samples)
         finally:
             runner.shutdown()
     except Exception:
@@ -63,10 +66,21 @@ def serve(config: WorkerProcessConfig) -> None:
     finally:
         if tp is not None:
             tp.destroy()
+        destroy_model_parallel()
         context.destroy(linger=1000)
 
 
-def _run_steps(runner: ModelRunner, steps: zmq.Socket, results: zmq.Socket, encoder, rank: int) -> None:
+def _join_groups(config: WorkerConfig) -> tuple[TensorParallel, StageLink | None]:
+    """This rank's tensor-parallel group and, with pipeline stages, its link to the neighbouring ones."""
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+    if pp_size == 1:
+        return init_tensor_parallel(config.rank, tp_size, config.distributed_init_method, config.device), None
+    partition = tuple(config.pipeline_layer_partition) if config.pipeline_layer_partition else None
+    stage = PipelineStage(config.rank // tp_size, pp_size, partition)
+    return init_model_parallel(config.rank, tp_size, stage, config.distributed_init_method, config.device)
+
+
+def _run_steps(runner: ModelRunner, steps: zmq.Socket, results: zmq.Socket, encoder, rank: int, samples: bool) -> None:
     decoder = msgspec.msgpack.Decoder(ExecutorMessage)
 
     def receive() -> ExecutorMessage | None:
@@ -92,7 +106,7 @@ def _run_steps(runner: ModelRunner, steps: zmq.Socket, results: zmq.Socket, enco
         if isinstance(message, Shutdown):
             return
         output = runner.execute(message, lambda: grammar_bitmask_of(message))
-        if rank != 0:  # the tokens are rank 0's to report; every rank reports its transfers
+        if not samples:  # the tokens are one rank's to report; every rank reports its transfers
             output = ModelRunnerOutput(output.step, rank, kv_connector_output=output.kv_connector_output)
         results.send(encoder.encode(output))
 

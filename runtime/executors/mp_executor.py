@@ -1,4 +1,4 @@
-"""The local multiprocess executor: one worker process per tensor-parallel rank on this machine.
+"""The local multiprocess executor: one worker process per rank (pipeline stage x tensor-parallel rank) on this machine.
 
 The ranks talk to the executor over private IPC sockets, with the data path and the failure
 detection of ``ZmqExecutor``; a rank is gone when its process has exited.
@@ -28,7 +28,7 @@ class MultiprocExecutor(ZmqExecutor):
         startup_timeout_s: float = 600.0,
     ) -> None:
         self.ipc = IpcDir(ipc_dir)
-        super().__init__(config.tensor_parallel_size, worker_timeout_s, self._bind_address)
+        super().__init__(config.tensor_parallel_size, config.pipeline_parallel_size, worker_timeout_s, self._bind_address)
         init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.processes = [self._start_worker(config, rank, init_method) for rank in range(self.size)]
         try:

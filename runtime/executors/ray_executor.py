@@ -78,11 +78,13 @@ class RayExecutor(ZmqExecutor):
         worker_timeout_s: float = 60.0,
         startup_timeout_s: float = 600.0,
     ) -> None:
-        size = config.tensor_parallel_size
+        size = config.tensor_parallel_size * config.pipeline_parallel_size
         _join_cluster(ray_config.address, num_cpus=size)
         try:
             host = ray.util.get_node_ip_address()
-            super().__init__(size, worker_timeout_s, lambda name: f"tcp://{host}:*")
+            super().__init__(
+                config.tensor_parallel_size, config.pipeline_parallel_size, worker_timeout_s, lambda name: f"tcp://{host}:*"
+            )
         except BaseException:
             ray.shutdown()
             raise

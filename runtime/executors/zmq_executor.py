@@ -1,8 +1,11 @@
 """What every executor whose ranks live outside the EngineCore shares: the ZeroMQ data path.
 
-Each step's ``SchedulerOutput`` is encoded once and pushed to every rank; every rank answers on
-one results socket. A transfer counts as finished only when all ranks reported it. A rank that
-dies, fails or stops answering makes ``execute`` raise ``ExecutorFailed`` naming it.
+Each step's ``SchedulerOutput`` is encoded once and pushed to every rank (with pipeline stages,
+once more for the stages before the last, with the tokens they did not sample); every rank
+answers on one results socket. Steps may be submitted before earlier ones are collected (a
+pipeline's micro-batches); answers are gathered per step. A transfer counts as finished only
+when all ranks reported it. A rank that dies, fails or stops answering makes ``execute`` (or
+``collect``) raise ``ExecutorFailed`` naming it.
 
 Sockets bound on TCP use CurveZMQ: only this executor's workers, which get its keys in their
 configuration, can connect (``engine_core/zmq_curve.py``). IPC sockets stay plain.
@@ -83,7 +86,8 @@ class TransferTally:
 
 
 class ZmqExecutor(ABC):
-    """Sends steps to ``size`` ranks and gathers their answers over ZeroMQ (msgspec frames only).
+    """Sends steps to ``tp_size * pp_size`` ranks (stage-major) and gathers their answers over
+    ZeroMQ (msgspec frames only).
 
     ``bind_address(name)`` gives the address to bind the socket ``name`` ("results",
     "steps-<rank>") on; the bound endpoints, the ones workers connect to, are
@@ -91,8 +95,10 @@ class ZmqExecutor(ABC):
     ``worker_curve_keys`` (None on IPC), then calls ``_await_ready``.
     """
 
-    def __init__(self, size: int, worker_timeout_s: float, bind_address: Callable[[str], str]) -> None:
-        self.size = size
+    def __init__(self, tp_size: int, pp_size: int, worker_timeout_s: float, bind_address: Callable[[str], str]) -> None:
+        self.size = tp_size * pp_size
+        self.pipeline_parallel_size = pp_size
+        self._last_stage = range(self.size - tp_size, self.size)  # their first rank's answer has the tokens
         self.worker_timeout_s = worker_timeout_s
         self.num_blocks = 0
         self.num_cpu_blocks = 0
@@ -107,15 +113,17 @@ class ZmqExecutor(ABC):
         self._results = make_socket(self.context, zmq.PULL, bind_address("results"), bind=True, setup=secure)
         self._steps = [
             make_socket(self.context, zmq.PUSH, bind_address(f"steps-{rank}"), bind=True, setup=secure)
-            for rank in range(size)
+            for rank in range(self.size)
         ]
         # Read back, as a wildcard TCP port ("tcp://host:*") is only known once bound.
         self.results_endpoint = self._results.getsockopt_string(zmq.LAST_ENDPOINT)
         self.step_endpoints = [sock.getsockopt_string(zmq.LAST_ENDPOINT) for sock in self._steps]
-        self._transfers = TransferTally(size)
+        self._transfers = TransferTally(self.size)
+        self._answers: dict[int, dict[int, ModelRunnerOutput]] = {}  # step -> rank -> answer
         self._ipc_seconds = 0.0  # encode + send + receive + decode, summed over steps
-        self._receive_seconds = 0.0  # of the step in progress
+        self._receive_seconds = 0.0  # since the last step collected
         self._num_steps = 0
+        self._stage_bytes = [0] * pp_size  # step frames sent to one rank of each stage, summed over steps
 
     @abstractmethod
     def _exited_ranks(self) -> list[RankExit]:
@@ -139,31 +147,49 @@ class ZmqExecutor(ABC):
     def execute(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: Callable[[], bytes] | None = None
     ) -> ModelRunnerOutput:
+        self.submit(scheduler_output, grammar_bitmask)
+        return self.collect(scheduler_output.step)
+
+    def submit(self, scheduler_output: SchedulerOutput, grammar_bitmask: Callable[[], bytes] | None = None) -> None:
+        """Send a step to every rank without waiting for its answers (``collect`` gathers them)."""
         started = time.perf_counter()
-        frame = self._encoder.encode(scheduler_output)
-        for sock in self._steps:
-            sock.send(frame, copy=False)
+        frame = frame_for_last = self._encoder.encode(scheduler_output)
+        if self.pipeline_parallel_size > 1:
+            # The last stage sampled these tokens itself; only the stages before it need them.
+            cached = msgspec.structs.replace(scheduler_output.cached, sampled_token_ids=b"", num_sampled={})
+            frame_for_last = self._encoder.encode(msgspec.structs.replace(scheduler_output, cached=cached))
+        for stage in range(self.pipeline_parallel_size - 1):
+            self._stage_bytes[stage] += len(frame)
+        self._stage_bytes[-1] += len(frame_for_last)
+        for rank, sock in enumerate(self._steps):
+            sock.send(frame if rank < self._last_stage.start else frame_for_last, copy=False)
         ipc_seconds = time.perf_counter() - started
         if scheduler_output.structured_rows:
-            # The workers are running the forward pass meanwhile; they wait for this only to sample.
+            # The workers are running the forward pass meanwhile; only the last stage samples.
             assert grammar_bitmask is not None, "structured rows without a bitmask"
             mask = grammar_bitmask()
             started = time.perf_counter()
             mask_frame = self._encoder.encode(GrammarBitmask(scheduler_output.step, mask))
-            for sock in self._steps:
-                sock.send(mask_frame, copy=False)
+            for rank in self._last_stage:
+                self._steps[rank].send(mask_frame, copy=False)
             ipc_seconds += time.perf_counter() - started
-        outputs: dict[int, ModelRunnerOutput] = {}
+        self._ipc_seconds += ipc_seconds
+
+    def collect(self, step: int) -> ModelRunnerOutput:
+        """Every rank's answer to ``step`` (submitted earlier), merged: the sampled tokens and the
+        transfers now finished on all ranks. Answers to later steps that arrive meanwhile are kept."""
+        answers = self._answers.setdefault(step, {})
         deadline = time.monotonic() + self.worker_timeout_s
-        while len(outputs) < self.size:
-            message = self._receive(deadline, set(range(self.size)) - set(outputs), f"step {scheduler_output.step}")
-            if isinstance(message, ModelRunnerOutput) and message.step == scheduler_output.step:
-                outputs[message.rank] = message
-        self._ipc_seconds += ipc_seconds + self._receive_seconds
+        while len(answers) < self.size:
+            message = self._receive(deadline, set(range(self.size)) - set(answers), f"step {step}")
+            if isinstance(message, ModelRunnerOutput) and message.step >= step:
+                self._answers.setdefault(message.step, {})[message.rank] = message
+        del self._answers[step]
+        self._ipc_seconds += self._receive_seconds
         self._receive_seconds = 0.0
         self._num_steps += 1
-        first = outputs[0]
-        first.kv_connector_output = self._transfers.merge(o.kv_connector_output for o in outputs.values())
+        first = answers[self._last_stage.start]
+        first.kv_connector_output = self._transfers.merge(o.kv_connector_output for o in answers.values())
         return first
 
     def _receive(self, deadline: float, waiting_for: set[int], what: str) -> WorkerMessage:
@@ -212,7 +238,11 @@ class ZmqExecutor(ABC):
         return ""
 
     def stats(self) -> dict[str, float]:
-        return {"ipc_us_per_step": self._ipc_seconds / self._num_steps * 1e6 if self._num_steps else 0.0}
+        """IPC time per step, and the bytes of step messages each rank of stage ``s`` got per step."""
+        steps = max(self._num_steps, 1)
+        stats = {"ipc_us_per_step": self._ipc_seconds / steps * 1e6}
+        stats.update({f"step_bytes_stage{stage}": total / steps for stage, total in enumerate(self._stage_bytes)})
+        return stats
 
     def shutdown(self) -> None:
         """Tell every worker to stop, stop them (politely, then by force), close the sockets."""

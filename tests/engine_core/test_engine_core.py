@@ -18,7 +18,7 @@ class FakeExecutor:
     def __init__(self) -> None:
         self.runner = FakeRunner(16)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput, grammar_bitmask=None) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
 
     def stats(self) -> dict[str, float]:
