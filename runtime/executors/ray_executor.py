@@ -1,5 +1,5 @@
-"""The Ray executor: one worker actor per tensor-parallel rank, placed by a placement group on a
-Ray cluster.
+"""The Ray executor: one worker actor per rank (pipeline stage x tensor-parallel rank), placed by
+a placement group on a Ray cluster.
 
 Ray does placement, start-up, health and teardown only. The per-step data path is the ZeroMQ
 one of ``ZmqExecutor``, over TCP: the executor binds on the EngineCore's node, the actors

@@ -30,6 +30,11 @@ def test_tp2_over_ray_actors_gives_the_greedy_tokens_of_tp1(ray_cluster):
     assert greedy_tokens(executor="ray", tensor_parallel_size=2, ray_address=ray_cluster) == single
 
 
+def test_pp2_over_ray_actors_gives_the_greedy_tokens_of_one_rank(ray_cluster):
+    single = greedy_tokens(executor="uni")
+    assert greedy_tokens(executor="ray", pipeline_parallel_size=2, ray_address=ray_cluster) == single
+
+
 def test_reset_prefix_cache_reaches_the_engine_core_of_a_ray_engine(ray_cluster):
     with LLM(dtype="float32", executor="ray", ray_address=ray_cluster) as llm:
         check_reset_prefix_cache_forgets_seen_prompts(llm)
