@@ -244,6 +244,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag="out"):
     # Rows that verified drafts: every token their step produced (the accepted drafts, then the
     # model's own), packed int32; ``sampled_token_ids`` holds the first of them too.
     verified_token_ids: dict[int, bytes] = {}
+    # Seconds the rank computed this step, not counting a wait for the previous pipeline stage.
+    busy_seconds: float = 0.0
 
 
 # ---- process control ----------------------------------------------------------------------

@@ -6,6 +6,7 @@ stage computes the same hidden states (the TP all-reduce leaves them whole on ea
 over point-to-point ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
 """
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,7 @@ class StageLink:
         self._previous = rank - tp_size
         self._next = rank + tp_size
         self._sending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.waited_seconds = 0.0  # in ``receive``, since start: the stage's idle time inside steps
 
     def send(self, hidden: torch.Tensor) -> None:
         """Hand a step's hidden states (``[2, T, hidden]``: output and residual) to the next stage."""
@@ -78,7 +80,9 @@ class StageLink:
 
     def receive(self, buffer: torch.Tensor) -> torch.Tensor:
         """Fill ``buffer`` with the previous stage's hidden states for this step."""
+        started = time.perf_counter()
         dist.recv(buffer, self._previous)
+        self.waited_seconds += time.perf_counter() - started
         return buffer
 
 

@@ -4,6 +4,7 @@ the first tensor-parallel rank of the last pipeline stage carries the sampled to
 
 import logging
 import sys
+import time
 import traceback
 
 import msgspec
@@ -105,10 +106,18 @@ def _run_steps(runner: ModelRunner, steps: zmq.Socket, results: zmq.Socket, enco
             continue
         if isinstance(message, Shutdown):
             return
+        started, waited = time.perf_counter(), _waited_seconds(runner)
         output = runner.execute(message, lambda: grammar_bitmask_of(message))
+        output.busy_seconds = time.perf_counter() - started - (_waited_seconds(runner) - waited)
         if not samples:  # the tokens are one rank's to report; every rank reports its transfers
-            output = ModelRunnerOutput(output.step, rank, kv_connector_output=output.kv_connector_output)
+            output = ModelRunnerOutput(
+                output.step, rank, kv_connector_output=output.kv_connector_output, busy_seconds=output.busy_seconds
+            )
         results.send(encoder.encode(output))
+
+
+def _waited_seconds(runner: ModelRunner) -> float:
+    return runner.link.waited_seconds if runner.link is not None else 0.0
 
 
 def main() -> None:

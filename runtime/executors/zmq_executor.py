@@ -124,6 +124,7 @@ class ZmqExecutor(ABC):
         self._receive_seconds = 0.0  # since the last step collected
         self._num_steps = 0
         self._stage_bytes = [0] * pp_size  # step frames sent to one rank of each stage, summed over steps
+        self._stage_busy_seconds = [0.0] * pp_size  # the stage's first rank's, summed over steps
 
     @abstractmethod
     def _exited_ranks(self) -> list[RankExit]:
@@ -188,6 +189,9 @@ class ZmqExecutor(ABC):
         self._ipc_seconds += self._receive_seconds
         self._receive_seconds = 0.0
         self._num_steps += 1
+        tp_size = len(self._last_stage)
+        for stage in range(self.pipeline_parallel_size):
+            self._stage_busy_seconds[stage] += answers[stage * tp_size].busy_seconds
         first = answers[self._last_stage.start]
         first.kv_connector_output = self._transfers.merge(o.kv_connector_output for o in answers.values())
         return first
@@ -238,10 +242,13 @@ class ZmqExecutor(ABC):
         return ""
 
     def stats(self) -> dict[str, float]:
-        """IPC time per step, and the bytes of step messages each rank of stage ``s`` got per step."""
+        """IPC time per step; per pipeline stage ``s``, the bytes of step messages each of its ranks
+        got per step and the seconds its first rank computed, since start."""
         steps = max(self._num_steps, 1)
         stats = {"ipc_us_per_step": self._ipc_seconds / steps * 1e6}
-        stats.update({f"step_bytes_stage{stage}": total / steps for stage, total in enumerate(self._stage_bytes)})
+        for stage, (sent, busy) in enumerate(zip(self._stage_bytes, self._stage_busy_seconds)):
+            stats[f"step_bytes_stage{stage}"] = sent / steps
+            stats[f"busy_seconds_stage{stage}"] = busy
         return stats
 
     def shutdown(self) -> None:
