@@ -65,3 +65,22 @@ def test_the_worker_config_gets_every_flag_it_shares(tmp_path: Path) -> None:
         kv_cache_memory=1 << 20, num_gpu_blocks=40, gpu_memory_utilization=0.5, enforce_eager=True,
         cuda_graph_sizes=[1, 2], attention_backend="torch", kv_offload_cpu_bytes=1 << 22, kv_offload_block_size=64,
     )
+
+
+def test_pipeline_parallelism_on_the_uni_executor_is_refused_naming_the_flag() -> None:
+    with pytest.raises(ValueError, match="--pipeline-parallel-size needs --executor mp or ray"):
+        EngineArgs(executor="uni", pipeline_parallel_size=2)
+
+
+def test_a_layer_partition_that_the_model_cannot_fill_is_refused_before_any_process_starts(tmp_path: Path) -> None:
+    tiny_llama_config(num_hidden_layers=4).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"partition \[1, 2\] must give each of the 2 stages"):
+        resolve(EngineArgs(model=str(tmp_path), skip_tokenizer=True, pipeline_parallel_size=2, pipeline_layer_partition=[1, 2]))
+
+
+def test_a_family_whose_decoder_cannot_be_split_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    from model_factory import tiny_gemma3_config
+
+    tiny_gemma3_config().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM does not support --pipeline-parallel-size > 1"):
+        resolve(EngineArgs(model=str(tmp_path), skip_tokenizer=True, pipeline_parallel_size=2))
