@@ -109,6 +109,26 @@ class FakeRunner:
         return next_token(row.token_ids)
 
 
+class FakeExecutor:
+    """The EngineCore's executor over a ``FakeRunner``: one step at a time, in this process."""
+
+    num_blocks = 100
+    num_cpu_blocks = 0
+    vocab_size = 1000
+
+    def __init__(self) -> None:
+        self.runner = FakeRunner(16)
+
+    def execute(self, out: SchedulerOutput, grammar_bitmask=None) -> ModelRunnerOutput:
+        return self.runner.execute(out)
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def shutdown(self) -> None:
+        pass
+
+
 @dataclass
 class Result:
     token_ids: list[int]

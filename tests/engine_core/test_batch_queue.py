@@ -9,22 +9,19 @@ from strata.engine_core.protocol import (
 )
 from strata.engine_core.sampling_params import SamplingParams
 from strata.engine_core.scheduler import SchedulerConfig
-from fake_runner import FakeRunner
+from fake_runner import FakeExecutor
 
 PATTERN = [7, 8, 9, 10]
 
 
-class TwoStageExecutor:
+class TwoStageExecutor(FakeExecutor):
     """The last stage is a ``FakeRunner``, run when a step is collected; the first stage keeps
     each row's tokens from the diffs as a real first stage does. Checks, as steps come and go,
     that no request is in two steps in flight and that both stages agree on every row's tokens."""
 
-    num_blocks = 1000
-    num_cpu_blocks = 0
-    vocab_size = 1000
-
     def __init__(self) -> None:
-        self.last_stage = FakeRunner(16)
+        super().__init__()
+        self.last_stage = self.runner
         self.first_stage: dict[int, tuple[str, list[int]]] = {}  # handle -> (request id, tokens)
         self.in_flight: dict[int, tuple[SchedulerOutput, set[str]]] = {}
         self.most_in_flight = 0
@@ -57,30 +54,6 @@ class TwoStageExecutor:
             tokens.extend(next(sampled) for _ in range(out.cached.num_sampled.get(handle, 1)))
         return {self.first_stage[handle][0] for handle in [new.handle for new in out.new_requests] + list(cached)}
 
-    def stats(self) -> dict[str, float]:
-        return {}
-
-    def shutdown(self) -> None:
-        pass
-
-
-class OneStageExecutor:
-    num_blocks = 1000
-    num_cpu_blocks = 0
-    vocab_size = 1000
-
-    def __init__(self) -> None:
-        self.runner = FakeRunner(16)
-
-    def execute(self, out: SchedulerOutput, grammar_bitmask=None) -> ModelRunnerOutput:
-        return self.runner.execute(out)
-
-    def stats(self) -> dict[str, float]:
-        return {}
-
-    def shutdown(self) -> None:
-        pass
-
 
 def requests(count: int) -> list[EngineCoreRequest]:
     return [
@@ -108,7 +81,7 @@ def test_two_micro_batches_in_flight_never_share_a_request_and_give_the_one_stag
     pipelined = TwoStageExecutor()
     tokens = run(EngineCore(SchedulerConfig(max_num_batched_tokens=64, pipeline_depth=2), pipelined), requests(12))
     assert pipelined.most_in_flight == 2
-    assert tokens == run(EngineCore(SchedulerConfig(max_num_batched_tokens=64), OneStageExecutor()), requests(12))
+    assert tokens == run(EngineCore(SchedulerConfig(max_num_batched_tokens=64), FakeExecutor()), requests(12))
 
 
 def test_decoding_requests_are_shared_evenly_between_the_micro_batches():

@@ -2,30 +2,12 @@
 worker is checked against the vocabulary before the request is queued."""
 
 from strata.engine_core.core import EngineCore
-from strata.engine_core.protocol import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from strata.engine_core.protocol import EngineCoreRequest
 from strata.engine_core.sampling_params import SamplingParams
 from strata.engine_core.scheduler import SchedulerConfig
-from fake_runner import FakeRunner
+from fake_runner import FakeExecutor
 
-VOCAB_SIZE = 1000
-
-
-class FakeExecutor:
-    num_blocks = 100
-    num_cpu_blocks = 0
-    vocab_size = VOCAB_SIZE
-
-    def __init__(self) -> None:
-        self.runner = FakeRunner(16)
-
-    def execute(self, scheduler_output: SchedulerOutput, grammar_bitmask=None) -> ModelRunnerOutput:
-        return self.runner.execute(scheduler_output)
-
-    def stats(self) -> dict[str, float]:
-        return {}
-
-    def shutdown(self) -> None:
-        pass
+VOCAB_SIZE = FakeExecutor.vocab_size
 
 
 def make_request(request_id: str, eos_token_id: int | None = None, **params) -> EngineCoreRequest:
