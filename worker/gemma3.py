@@ -150,7 +150,9 @@ class Gemma3Model(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        stage_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        assert stage_input is None, "Gemma 3 runs as one pipeline stage"
         embedded = self.embed_tokens(input_ids)
         hidden = embedded * self.embed_scale.to(embedded.dtype)
         rotations = {kind: rotary(positions) for kind, rotary in self.rotary_emb.items()}
