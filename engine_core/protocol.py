@@ -167,19 +167,12 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     scheduled one token unless ``num_tokens`` says otherwise; ``new_block_ids`` lists the
     blocks appended to a request's table this step. ``draft_token_ids``: packed int32 drafts
     (speculative decoding) placed after a request's last token; its scheduled tokens are that
-    token and its drafts.
-
-    With pipeline parallelism, stages before the last sample nothing, so their copy of the
-    message also carries ``sampled_token_ids``: the tokens each request gained since its last
-    step, packed int32 in batch order, one per request unless ``num_sampled`` (by handle) says
-    otherwise. The last stage, which sampled them, gets neither."""
+    token and its drafts."""
 
     handles: bytes = b""
     num_tokens: dict[int, int] = {}
     new_block_ids: dict[int, list[int]] = {}
     draft_token_ids: dict[int, bytes] = {}
-    sampled_token_ids: bytes = b""
-    num_sampled: dict[int, int] = {}
 
 
 class BlockTransfer(msgspec.Struct, array_like=True):
@@ -210,6 +203,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag="step"):
     # Batch positions (packed uint16) whose rows have a grammar: a ``GrammarBitmask`` for this
     # step follows on the same socket, sent while the workers run the forward pass.
     structured_rows: bytes = b""
+    # Pipeline parallelism: the last step whose output the EngineCore had when it scheduled this
+    # one. The stages before the last take the tokens sampled up to that step from the last
+    # stage before they run this one.
+    collected_step: int = 0
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, tag="mask"):

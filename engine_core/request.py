@@ -68,7 +68,6 @@ class Request:
     speculate: bool = False  # set at admission: drafts may be proposed for it
     num_drafts: int = 0  # drafts scheduled in the current step
     in_flight: bool = False  # pipeline parallelism: in a step whose output is not back yet
-    num_synced_tokens: int = 0  # pipeline parallelism: tokens the stages before the last were sent
 
     @property
     def needs_prompt_logprobs(self) -> bool:

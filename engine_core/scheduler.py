@@ -100,6 +100,7 @@ class Scheduler:
         self._arrivals = 0
         self._step = 0
         self._in_flight: dict[int, list[Request]] = {}  # step -> its requests in batch order, until its output
+        self._collected_step = 0  # the last step whose output came back
         # Held blocks (a connector's copies still read them; free within a step or so) that
         # requests short of blocks are waiting for this step, instead of preempting more.
         self._awaited_held_blocks = 0
@@ -221,7 +222,7 @@ class Scheduler:
         if self.config.pipeline_depth > 1:
             for request in scheduled:
                 request.in_flight = True
-            self._sync_sampled_tokens(output, scheduled_running)
+            output.collected_step = self._collected_step
         output.total_num_scheduled_tokens = used + used_by_new
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
@@ -273,20 +274,6 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == RUNNING]
         output.cached.handles = pack_handles(handles)
         return scheduled, start_budget - budget
-
-    @staticmethod
-    def _sync_sampled_tokens(output: SchedulerOutput, scheduled_running: list[Request]) -> None:
-        """Tell the pipeline stages before the last, which sample nothing, the tokens each
-        running request gained since it was last scheduled."""
-        tokens: list[int] = []
-        counts = output.cached.num_sampled
-        for request in scheduled_running:
-            gained = request.all_token_ids[request.num_synced_tokens :]
-            if len(gained) != 1:
-                counts[request.handle] = len(gained)
-            tokens.extend(gained)
-            request.num_synced_tokens += len(gained)
-        output.cached.sampled_token_ids = pack_tokens(tokens)
 
     def _pop_preemptable(self) -> Request | None:
         """Take the last running request that is not in flight out of ``running``."""
@@ -426,7 +413,6 @@ class Scheduler:
             )
         )
         request.num_computed_tokens = num_computed + num_new
-        request.num_synced_tokens = len(request.all_token_ids)
         return num_new
 
     def _finish_unfittable(self, request: Request) -> None:
@@ -527,6 +513,7 @@ class Scheduler:
             )
         tokens = unpack_tokens(runner_output.sampled_token_ids)
         scheduled = self._in_flight.pop(scheduler_output.step)
+        self._collected_step = scheduler_output.step
         for request in scheduled:
             request.in_flight = False
         if len(tokens) != len(scheduled):

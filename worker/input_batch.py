@@ -129,29 +129,27 @@ class InputBatch:
 
     def advance_computed(self, rows: np.ndarray, num_scheduled: np.ndarray) -> None:
         """A pipeline stage before the last samples nothing: count the step's tokens as computed;
-        ``append_sampled`` brings the tokens the last stage sampled with the rows' next step."""
+        ``append_sampled`` brings the tokens the last stage sampled."""
         self.num_computed[rows] += num_scheduled
 
-    def append_sampled(self, rows: np.ndarray, packed: bytes, counts: dict[int, int]) -> None:
-        """Append the tokens each of ``rows`` gained since its last step (``packed`` int32 in row
-        order, one per row unless ``counts`` says otherwise): its last token is then the only one
-        not computed, as after a sampled or verified step on the last stage."""
-        tokens = np.frombuffer(packed, dtype=np.int32)
-        if not counts:
+    def append_sampled(self, rows: np.ndarray, counts: np.ndarray, tokens: np.ndarray) -> None:
+        """Append the ``counts[i]`` tokens row ``rows[i]`` gained in a step (``tokens``,
+        concatenated in row order): its last token is then the only one not computed, as after
+        a sampled or verified step on the last stage."""
+        gained = counts > 0
+        if (counts <= 1).all():
+            rows = rows[gained]
             ends = self.num_tokens[rows]
             self.token_ids[rows, ends] = tokens
             self.num_tokens[rows] = ends + 1
             self.num_computed[rows] = ends
             return
-        offset = 0
-        for row in rows.tolist():
-            count = counts.get(row, 1)
-            if count:
-                start = self.num_tokens[row]
-                self.token_ids[row, start : start + count] = tokens[offset : offset + count]
-                self.num_tokens[row] = start + count
-                self.num_computed[row] = start + count - 1
-                offset += count
+        starts = np.cumsum(counts) - counts
+        for row, start, count in zip(rows[gained].tolist(), starts[gained].tolist(), counts[gained].tolist()):
+            end = self.num_tokens[row]
+            self.token_ids[row, end : end + count] = tokens[start : start + count]
+            self.num_tokens[row] = end + count
+            self.num_computed[row] = end + count - 1
 
     def advance(self, rows: np.ndarray, num_scheduled: np.ndarray, sampled: np.ndarray) -> np.ndarray:
         """Count the step's tokens as computed and append the sampled token to every row

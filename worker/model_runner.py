@@ -24,7 +24,7 @@ from strata.worker.cpu_linear_plan import (
 )
 from strata.worker.model_loader import load_model, quantized_weights_file, resolve_dtype, weight_bytes
 from strata.worker.parallel_state import TensorParallel
-from strata.worker.pipeline_parallel import WHOLE_MODEL, StageLink
+from strata.worker.pipeline_parallel import WHOLE_MODEL, SampledTokenFeed, StageLink
 from strata.worker.prompt_logprobs import compute_prompt_logprobs, prompt_spans
 from strata.worker.sampler import SamplingMetadata, sample
 from strata.worker.scaled_weights import scaled_scheme
@@ -93,6 +93,8 @@ class ModelRunner:
             self.graphs.capture()
         # Handles go up to twice max_num_seqs (finished handles are reserved for a step).
         self.batch = InputBatch(2 * config.max_num_seqs, config.max_model_len, self.block_size)
+        # A stage before the last samples nothing: the last stage's tokens come over the link.
+        self.feed = SampledTokenFeed(link, self.batch) if link is not None and not link.stage.is_last else None
         self.num_cpu_blocks = sizer.num_offload_blocks()
         self.offload = None
         if self.num_cpu_blocks:
@@ -134,6 +136,8 @@ class ModelRunner:
                 assert self.link is not None
                 self.link.send(hidden)
                 self.batch.advance_computed(rows, num_scheduled)
+                assert self.feed is not None
+                self.feed.step_ran(step.step, rows)
                 return ModelRunnerOutput(step=step.step, rank=self.config.rank, kv_connector_output=self._finished_transfers())
             last_hidden = hidden[self._to_device(inputs.query_start_loc[1:] - 1)]
         spans = prompt_spans(self.batch, inputs)
@@ -160,9 +164,11 @@ class ModelRunner:
             # Rows with logprobs never have drafts: each is its batch row's only logits row.
             logprobs = {int(layout.batch_index[row]): value for row, value in logprobs.items()}
             sampled = sampled[layout.starts]
-        self.batch.advance(rows, num_scheduled, sampled)
+        done = self.batch.advance(rows, num_scheduled, sampled)
         for index, row_tokens in produced.items():
             self.batch.accept(int(rows[index]), row_tokens)
+        if self.link is not None and self.model.stage.size > 1:
+            self._send_sampled(done, sampled, produced)
         return ModelRunnerOutput(
             step=step.step,
             rank=self.config.rank,
@@ -172,6 +178,20 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             verified_token_ids={index: pack_tokens(row_tokens) for index, row_tokens in produced.items()},
         )
+
+    def _send_sampled(self, done: np.ndarray, sampled: np.ndarray, produced: dict[int, list[int]]) -> None:
+        """The last stage tells the earlier ones what each row gained: the sampled token where
+        the row's tokens were all computed, every produced token where it verified drafts."""
+        assert self.link is not None
+        counts = done.astype(np.int32)
+        if not produced:
+            self.link.send_sampled(counts, sampled[done])
+            return
+        gained = [[int(token)] if row_done else [] for token, row_done in zip(sampled, done)]
+        for index, row_tokens in produced.items():
+            counts[index] = len(row_tokens)
+            gained[index] = row_tokens
+        self.link.send_sampled(counts, np.fromiter((t for row in gained for t in row), dtype=np.int32))
 
     def _finished_transfers(self) -> KVConnectorOutput | None:
         return None if self.offload is None else self.offload.get_finished()
@@ -185,13 +205,15 @@ class ModelRunner:
         order, and the drafts to verify by batch position."""
         for handle in step.finished_handles + step.preempted_handles:
             self.batch.remove(handle)
+        if self.feed is not None:
+            self.feed.catch_up(step.collected_step)
         for new in step.new_requests:
             self.batch.add(new)
+            if self.feed is not None:
+                self.feed.row_added(new.handle, step.step)
         for handle, block_ids in step.cached.new_block_ids.items():
             self.batch.append_blocks(handle, block_ids)
         cached = np.frombuffer(step.cached.handles, dtype=np.uint16).astype(np.int64)
-        if not self.model.stage.is_last:
-            self.batch.append_sampled(cached, step.cached.sampled_token_ids, step.cached.num_sampled)
         rows = np.concatenate(([new.handle for new in step.new_requests], cached)).astype(np.int64)
         num_scheduled = np.ones(len(rows), dtype=np.int64)
         num_scheduled[: len(step.new_requests)] = [new.num_scheduled_tokens for new in step.new_requests]

@@ -11,8 +11,8 @@ after an untimed run of the same requests. Printed per layout (one rank, TP=2, P
 - per stage, the pipeline bubble: the share of the run's wall time its first rank did not
   compute (waiting for the previous stage's hidden states, or for a step to come), while
   every request was waiting for tokens;
-- per stage, the bytes of step messages each of its ranks got from the EngineCore per step,
-  against one rank's today (the first layout).
+- the bytes of step messages each rank got from the EngineCore per step, and per request in
+  a step (a pipeline's micro-batches hold a share of the requests each).
 """
 
 import argparse
@@ -33,7 +33,8 @@ class Measurement:
     layout: str
     output_tokens_per_s: float
     bubble_by_stage: list[float]
-    step_bytes_by_stage: list[float]
+    step_bytes_per_rank: float
+    requests_per_step: float
 
 
 def measure(layout: str, args: argparse.Namespace) -> Measurement:
@@ -53,7 +54,8 @@ def measure(layout: str, args: argparse.Namespace) -> Measurement:
         layout,
         sum(len(o.outputs[0].token_ids) for o in outputs) / wall,
         [1 - seconds / wall for seconds in busy],
-        [float(after[f"step_bytes_stage{s}"]) for s in range(stages)],
+        float(after["step_bytes_per_rank"]),
+        args.batch / stages,
     )
 
 
@@ -69,15 +71,13 @@ def main() -> None:
     args = parser.parse_args()
     print(CpuInfo.read().describe())
     print(f"batch {args.batch} decode, {args.prompt_len}-token prompts, {args.output_len} tokens each")
-    print("| layout | output tok/s | bubble by stage | step bytes per rank by stage | vs one rank's |")
+    print("| layout | output tok/s | bubble by stage | step bytes per rank | per request in a step |")
     print("|---|---|---|---|---|")
     report = [measure(layout, args) for layout in args.layouts.split(",")]
-    baseline = report[0].step_bytes_by_stage[0]
     for m in report:
         bubbles = " / ".join(f"{b:.0%}" for b in m.bubble_by_stage)
-        sent = " / ".join(f"{b:.0f}" for b in m.step_bytes_by_stage)
-        ratios = " / ".join(f"{b / baseline:.2f}x" for b in m.step_bytes_by_stage)
-        print(f"| {m.layout} | {m.output_tokens_per_s:.1f} | {bubbles} | {sent} | {ratios} |")
+        per_request = m.step_bytes_per_rank / m.requests_per_step
+        print(f"| {m.layout} | {m.output_tokens_per_s:.1f} | {bubbles} | {m.step_bytes_per_rank:.0f} | {per_request:.2f} |")
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(m) for m in report], indent=2))
 

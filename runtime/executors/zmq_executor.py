@@ -1,8 +1,7 @@
 """What every executor whose ranks live outside the EngineCore shares: the ZeroMQ data path.
 
-Each step's ``SchedulerOutput`` is encoded once and pushed to every rank (with pipeline stages,
-once more for the stages before the last, with the tokens they did not sample); every rank
-answers on one results socket. Steps may be submitted before earlier ones are collected (a
+Each step's ``SchedulerOutput`` is encoded once and pushed to every rank; every rank answers on
+one results socket. Steps may be submitted before earlier ones are collected (a
 pipeline's micro-batches); answers are gathered per step. A transfer counts as finished only
 when all ranks reported it. A rank that dies, fails or stops answering makes ``execute`` (or
 ``collect``) raise ``ExecutorFailed`` naming it.
@@ -123,7 +122,7 @@ class ZmqExecutor(ABC):
         self._ipc_seconds = 0.0  # encode + send + receive + decode, summed over steps
         self._receive_seconds = 0.0  # since the last step collected
         self._num_steps = 0
-        self._stage_bytes = [0] * pp_size  # step frames sent to one rank of each stage, summed over steps
+        self._step_bytes = 0  # sent to each rank, summed over steps
         self._stage_busy_seconds = [0.0] * pp_size  # the stage's first rank's, summed over steps
 
     @abstractmethod
@@ -154,16 +153,10 @@ class ZmqExecutor(ABC):
     def submit(self, scheduler_output: SchedulerOutput, grammar_bitmask: Callable[[], bytes] | None = None) -> None:
         """Send a step to every rank without waiting for its answers (``collect`` gathers them)."""
         started = time.perf_counter()
-        frame = frame_for_last = self._encoder.encode(scheduler_output)
-        if self.pipeline_parallel_size > 1:
-            # The last stage sampled these tokens itself; only the stages before it need them.
-            cached = msgspec.structs.replace(scheduler_output.cached, sampled_token_ids=b"", num_sampled={})
-            frame_for_last = self._encoder.encode(msgspec.structs.replace(scheduler_output, cached=cached))
-        for stage in range(self.pipeline_parallel_size - 1):
-            self._stage_bytes[stage] += len(frame)
-        self._stage_bytes[-1] += len(frame_for_last)
-        for rank, sock in enumerate(self._steps):
-            sock.send(frame if rank < self._last_stage.start else frame_for_last, copy=False)
+        frame = self._encoder.encode(scheduler_output)
+        for sock in self._steps:
+            sock.send(frame, copy=False)
+        self._step_bytes += len(frame)
         ipc_seconds = time.perf_counter() - started
         if scheduler_output.structured_rows:
             # The workers are running the forward pass meanwhile; only the last stage samples.
@@ -242,12 +235,11 @@ class ZmqExecutor(ABC):
         return ""
 
     def stats(self) -> dict[str, float]:
-        """IPC time per step; per pipeline stage ``s``, the bytes of step messages each of its ranks
-        got per step and the seconds its first rank computed, since start."""
+        """IPC time and bytes of step messages each rank got, per step; per pipeline stage ``s``,
+        the seconds its first rank computed since start."""
         steps = max(self._num_steps, 1)
-        stats = {"ipc_us_per_step": self._ipc_seconds / steps * 1e6}
-        for stage, (sent, busy) in enumerate(zip(self._stage_bytes, self._stage_busy_seconds)):
-            stats[f"step_bytes_stage{stage}"] = sent / steps
+        stats = {"ipc_us_per_step": self._ipc_seconds / steps * 1e6, "step_bytes_per_rank": self._step_bytes / steps}
+        for stage, busy in enumerate(self._stage_busy_seconds):
             stats[f"busy_seconds_stage{stage}"] = busy
         return stats
 

@@ -1,12 +1,12 @@
 """Pipeline parallelism's batch queue, with a model-free two-stage executor: the EngineCore keeps
 two micro-batches in flight, never one request in both, and the first stage (which samples
-nothing) learns every token the last stage sampled from the step messages alone."""
+nothing) has every token the last stage sampled before a step needs it."""
+
+from dataclasses import dataclass
 
 from strata.engine_core.core import EngineCore
 from strata.engine_core.ngram_proposer import SpeculativeConfig
-from strata.engine_core.protocol import (
-    EngineCoreRequest, ModelRunnerOutput, SchedulerOutput, unpack_handles, unpack_tokens,
-)
+from strata.engine_core.protocol import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput, unpack_handles
 from strata.engine_core.sampling_params import SamplingParams
 from strata.engine_core.scheduler import SchedulerConfig
 from fake_runner import FakeExecutor
@@ -14,45 +14,58 @@ from fake_runner import FakeExecutor
 PATTERN = [7, 8, 9, 10]
 
 
+@dataclass
+class FirstStageRow:
+    request_id: str
+    token_ids: list[int]
+    added_at: int  # the step that put the request in this row
+
+
 class TwoStageExecutor(FakeExecutor):
     """The last stage is a ``FakeRunner``, run when a step is collected; the first stage keeps
-    each row's tokens from the diffs as a real first stage does. Checks, as steps come and go,
-    that no request is in two steps in flight and that both stages agree on every row's tokens."""
+    each row's tokens from the diffs plus the tokens the last stage sent it, taken in before a
+    step as the real first stage does (``SampledTokenFeed``). Checks, as steps come and go, that
+    no request is in two steps in flight and that the first stage ran every step with the last
+    stage's tokens."""
 
     def __init__(self) -> None:
         super().__init__()
         self.last_stage = self.runner
-        self.first_stage: dict[int, tuple[str, list[int]]] = {}  # handle -> (request id, tokens)
-        self.in_flight: dict[int, tuple[SchedulerOutput, set[str]]] = {}
+        self.first_stage: dict[int, FirstStageRow] = {}  # by handle
+        self.sent: dict[int, dict[int, list[int]]] = {}  # step -> handle -> tokens the last stage sent
+        self.in_flight: dict[int, tuple[SchedulerOutput, set[str], dict[int, list[int]]]] = {}
         self.most_in_flight = 0
         self.batch_sizes: list[int] = []
 
     def submit(self, out: SchedulerOutput, grammar_bitmask=None) -> None:
-        request_ids = self._first_stage_step(out)
-        for step, (_, others) in self.in_flight.items():
+        for step in sorted(s for s in self.sent if s <= out.collected_step):
+            for handle, tokens in self.sent.pop(step).items():
+                row = self.first_stage.get(handle)
+                if row is not None and row.added_at <= step:
+                    row.token_ids += tokens
+        for handle in out.finished_handles + out.preempted_handles:
+            del self.first_stage[handle]
+        for new in out.new_requests:
+            self.first_stage[new.handle] = FirstStageRow(new.request_id, new.prompt_token_ids + new.output_token_ids, out.step)
+        handles = [new.handle for new in out.new_requests] + list(unpack_handles(out.cached.handles))
+        request_ids = {self.first_stage[handle].request_id for handle in handles}
+        for step, (_, others, _) in self.in_flight.items():
             assert not request_ids & others, f"{request_ids & others} in steps {step} and {out.step} at once"
-        self.in_flight[out.step] = (out, request_ids)
+        seen = {handle: list(self.first_stage[handle].token_ids) for handle in handles}
+        self.in_flight[out.step] = (out, request_ids, seen)
         self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
         self.batch_sizes.append(len(request_ids))
 
     def collect(self, step: int) -> ModelRunnerOutput:
         assert step == min(self.in_flight), "steps are collected in the order they were submitted"
-        out, _ = self.in_flight.pop(step)
+        out, _, seen = self.in_flight.pop(step)
         for handle in unpack_handles(out.cached.handles):
-            assert self.first_stage[handle][1] == self.last_stage.rows[handle].token_ids, f"stages disagree on {handle}"
-        return self.last_stage.execute(out)
-
-    def _first_stage_step(self, out: SchedulerOutput) -> set[str]:
-        for handle in out.finished_handles + out.preempted_handles:
-            del self.first_stage[handle]
-        for new in out.new_requests:
-            self.first_stage[new.handle] = (new.request_id, new.prompt_token_ids + new.output_token_ids)
-        sampled = iter(unpack_tokens(out.cached.sampled_token_ids))
-        cached = unpack_handles(out.cached.handles)
-        for handle in cached:
-            tokens = self.first_stage[handle][1]
-            tokens.extend(next(sampled) for _ in range(out.cached.num_sampled.get(handle, 1)))
-        return {self.first_stage[handle][0] for handle in [new.handle for new in out.new_requests] + list(cached)}
+            assert seen[handle] == self.last_stage.rows[handle].token_ids, f"the first stage ran {handle} on stale tokens"
+        lengths = {handle: len(self.last_stage.rows[handle].token_ids) for handle in unpack_handles(out.cached.handles)}
+        output = self.last_stage.execute(out)
+        lengths.update({new.handle: len(new.prompt_token_ids) + len(new.output_token_ids) for new in out.new_requests})
+        self.sent[step] = {handle: self.last_stage.rows[handle].token_ids[length:] for handle, length in lengths.items()}
+        return output
 
 
 def requests(count: int) -> list[EngineCoreRequest]:

@@ -1,13 +1,18 @@
 """A pipeline stage holds and reads its own layers only: the first the embedding, the last the
-norm and head; the balanced split gives earlier stages the remainder."""
+norm and head; the balanced split gives earlier stages the remainder; a stage before the last
+takes in the tokens the last stage sampled."""
 
+import numpy as np
 import pytest
 import torch
 
+from strata.engine_core.protocol import NewRequestData
+from strata.engine_core.sampling_params import SamplingParams
 from strata.worker.attention import TorchAttentionBackend
 from strata.worker.model_loader import dummy_weights
 from strata.worker.parallel_state import TensorParallel
-from strata.worker.pipeline_parallel import PipelineStage, split_layers
+from strata.worker.input_batch import InputBatch
+from strata.worker.pipeline_parallel import PipelineStage, SampledTokenFeed, split_layers
 from strata.worker.model_registry import model_class
 
 from model_factory import tiny_llama_config
@@ -64,3 +69,50 @@ def test_a_last_stage_with_a_tied_head_reads_the_embedding_as_its_head():
     model, reads = stage_model(PipelineStage(1, 2), tie_word_embeddings=True)
     assert "model.embed_tokens.weight" in reads
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+class ScriptedLink:
+    """Hands out the (counts, tokens) the last stage would have sent, in order."""
+
+    def __init__(self, messages: list[tuple[list[int], list[int]]]) -> None:
+        self.messages = messages
+
+    def receive_sampled(self, num_rows: int):
+        counts, tokens = self.messages.pop(0)
+        assert len(counts) == num_rows
+        return np.array(counts), np.array(tokens, dtype=np.int32)
+
+
+def request_row(handle: int, prompt: list[int], num_scheduled: int) -> NewRequestData:
+    return NewRequestData(f"r{handle}", handle, prompt, [], SamplingParams(), None, [0, 1], 0, num_scheduled)
+
+
+def test_a_stage_before_the_last_appends_sampled_and_verified_tokens_and_leaves_the_last_uncomputed():
+    batch = InputBatch(4, 64, 16)
+    feed = SampledTokenFeed(ScriptedLink([([1, 0], [40]), ([3], [41, 42, 43])]), batch)
+    for handle, prompt in ((0, [5, 6, 7]), (1, [8, 9, 10, 11, 12])):
+        batch.add(request_row(handle, prompt, 3))
+        feed.row_added(handle, 1)
+    rows = np.array([0, 1])
+    batch.advance_computed(rows, np.array([3, 3]))  # row 0 ends its prompt; row 1 is mid-prompt
+    feed.step_ran(1, rows)
+    feed.catch_up(1)
+    assert batch.token_ids[0, :4].tolist() == [5, 6, 7, 40] and (batch.num_tokens[0], batch.num_computed[0]) == (4, 3)
+    assert (batch.num_tokens[1], batch.num_computed[1]) == (5, 3)
+    batch.advance_computed(np.array([0]), np.array([3]))  # its last token and two drafts, one accepted
+    feed.step_ran(2, np.array([0]))
+    feed.catch_up(2)
+    assert batch.token_ids[0, :7].tolist() == [5, 6, 7, 40, 41, 42, 43] and batch.num_computed[0] == 6
+
+
+def test_tokens_sampled_for_a_handle_s_earlier_request_skip_the_request_that_took_it():
+    batch = InputBatch(4, 64, 16)
+    feed = SampledTokenFeed(ScriptedLink([([1], [40])]), batch)
+    batch.add(request_row(0, [5, 6, 7], 3))
+    feed.row_added(0, 1)
+    batch.advance_computed(np.array([0]), np.array([3]))
+    feed.step_ran(1, np.array([0]))
+    batch.add(request_row(0, [20, 21], 2))  # step 1's request was aborted; step 2 reuses its handle
+    feed.row_added(0, 2)
+    feed.catch_up(1)
+    assert (batch.num_tokens[0], batch.num_computed[0]) == (2, 0) and batch.token_ids[0, :2].tolist() == [20, 21]
