@@ -8,8 +8,8 @@ completes the oldest.
 """
 
 import random
-from collections import deque
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
