@@ -1,6 +1,7 @@
 """A pipeline stage holds and reads its own layers only: the first the embedding, the last the
-norm and head; the balanced split gives earlier stages the remainder; a stage before the last
-takes in the tokens the last stage sampled."""
+norm and head; chained, the stages of each Llama-decoder family compute the whole model; the
+balanced split gives earlier stages the remainder; a stage before the last takes in the tokens
+the last stage sampled."""
 
 import numpy as np
 import pytest
@@ -9,13 +10,14 @@ import torch
 from strata.engine_core.protocol import NewRequestData
 from strata.engine_core.sampling_params import SamplingParams
 from strata.worker.attention import TorchAttentionBackend
-from strata.worker.model_loader import dummy_weights
+from strata.worker.model_loader import dummy_weights, load_model
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.input_batch import InputBatch
 from strata.worker.pipeline_parallel import PipelineStage, SampledTokenFeed, split_layers
 from strata.worker.model_registry import model_class
 
-from model_factory import tiny_llama_config
+from model_factory import random_prompts, save_tiny_model, tiny_llama_config, tiny_mixtral_config, tiny_qwen3_config
+from worker_helpers import PagedRunner, greedy_decode
 
 
 class ReadRecorder:
@@ -116,3 +118,36 @@ def test_tokens_sampled_for_a_handle_s_earlier_request_skip_the_request_that_too
     feed.row_added(0, 2)
     feed.catch_up(1)
     assert (batch.num_tokens[0], batch.num_computed[0]) == (2, 0) and batch.token_ids[0, :2].tolist() == [20, 21]
+
+
+class ChainedStages(torch.nn.Module):
+    """Two stage models run one after the other, with the model interface ``PagedRunner`` drives."""
+
+    def __init__(self, first: torch.nn.Module, last: torch.nn.Module) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        self.num_layers = first.num_layers + last.num_layers
+        self.num_kv_heads_per_rank, self.head_dim = last.num_kv_heads_per_rank, last.head_dim
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        handed_over = self.first(input_ids, positions, kv_caches[: self.first.num_layers], meta)
+        return self.last(input_ids, positions, kv_caches[self.first.num_layers :], meta, handed_over)
+
+    def compute_logits(self, hidden):
+        return self.last.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("make_config", [tiny_llama_config, tiny_qwen3_config, tiny_mixtral_config])
+def test_two_chained_stages_give_the_whole_models_logits(make_config, tmp_path):
+    config = make_config()
+    save_tiny_model(config, tmp_path)
+    prompts = random_prompts([6, 11], config.vocab_size)
+
+    def load(stage: PipelineStage):
+        return load_model(tmp_path, torch.float32, TensorParallel(0, 1), TorchAttentionBackend(), "cpu", stage=stage)
+
+    whole_tokens, whole_logits = greedy_decode(PagedRunner(load(PipelineStage())), prompts, 4)
+    chained = ChainedStages(load(PipelineStage(0, 2)), load(PipelineStage(1, 2)))
+    tokens, logits = greedy_decode(PagedRunner(chained), prompts, 4)
+    assert tokens == whole_tokens
+    torch.testing.assert_close(logits, whole_logits, rtol=0, atol=1e-5)
