@@ -370,7 +370,7 @@ class LlamaForCausalLM(nn.Module):
             missing.pop(name, None)
         if missing:
             raise ValueError(f"checkpoint lacks tensors: {', '.join(sorted(missing))}")
-        if self.tie_word_embeddings and self.model.embed_tokens.quantized is not None:
+        if self.stage.is_last and self.tie_word_embeddings and self.model.embed_tokens.quantized is not None:
             self.lm_head.quantized, self.lm_head.weight = self.model.embed_tokens.quantized, None
 
     def _held_by_other_stage(self, name: str) -> bool:
