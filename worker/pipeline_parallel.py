@@ -68,11 +68,21 @@ class StageLink:
 
     Sends do not wait for the receiver: the next stage may still be busy with an earlier
     micro-batch, and this stage goes on to the next one meanwhile. A send's tensor is kept
-    until its transfer completes."""
+    until its transfer completes. Tokens travel in ``sampled_group``, a group of their own: on
+    NCCL each group has its own stream, so hidden states going one way never queue behind
+    tokens going the other."""
 
-    def __init__(self, stage: PipelineStage, rank: int, tp_size: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        stage: PipelineStage,
+        rank: int,
+        tp_size: int,
+        device: torch.device | str,
+        sampled_group: dist.ProcessGroup,
+    ) -> None:
         self.stage = stage
         self.device = torch.device(device)
+        self._sampled_group = sampled_group
         tp_rank = rank % tp_size
         self._previous = rank - tp_size
         self._next = rank + tp_size
@@ -95,26 +105,28 @@ class StageLink:
         counts_tensor = torch.from_numpy(counts.astype(np.int32)).to(self.device)
         tokens_tensor = torch.from_numpy(tokens.astype(np.int32)).to(self.device)
         for peer in self._earlier:
-            self._post(counts_tensor, peer)
+            self._post(counts_tensor, peer, self._sampled_group)
             if len(tokens):
-                self._post(tokens_tensor, peer)
+                self._post(tokens_tensor, peer, self._sampled_group)
 
     def receive_sampled(self, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
         """A stage before the last: the counts and tokens of a step of ``num_rows`` rows, as sent."""
-        counts = self._receive(torch.empty(num_rows, dtype=torch.int32, device=self.device), self._sampler).cpu().numpy()
+        counts_buffer = torch.empty(num_rows, dtype=torch.int32, device=self.device)
+        counts = self._receive(counts_buffer, self._sampler, self._sampled_group).cpu().numpy()
         total = int(counts.sum())
         if not total:
             return counts, np.zeros(0, dtype=np.int32)
-        tokens = self._receive(torch.empty(total, dtype=torch.int32, device=self.device), self._sampler)
+        tokens = self._receive(torch.empty(total, dtype=torch.int32, device=self.device), self._sampler, self._sampled_group)
         return counts, tokens.cpu().numpy()
 
-    def _post(self, tensor: torch.Tensor, peer: int) -> None:
+    def _post(self, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None = None) -> None:
+        """Send without waiting; ``group`` None: the default group (hidden states)."""
         self._sending = [(work, sent) for work, sent in self._sending if not work.is_completed()]
-        self._sending.append((dist.isend(tensor, peer), tensor))
+        self._sending.append((dist.isend(tensor, peer, group=group), tensor))
 
-    def _receive(self, buffer: torch.Tensor, peer: int) -> torch.Tensor:
+    def _receive(self, buffer: torch.Tensor, peer: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         started = time.perf_counter()
-        dist.recv(buffer, peer)
+        dist.recv(buffer, peer, group=group)
         self.waited_seconds += time.perf_counter() - started
         return buffer
 
@@ -129,12 +141,14 @@ def init_model_parallel(
         torch.cuda.set_device(device)
     world_size = stage.size * tp_size
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size)
+    # Every rank creates every group, in the same order, as new_group requires.
     tp_group = None
     if tp_size > 1:
-        # Every rank creates every stage's group, in the same order, as new_group requires.
         groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(stage.size)]
         tp_group = groups[stage.index]
-    return TensorParallel(rank % tp_size, tp_size, tp_group), StageLink(stage, rank, tp_size, device)
+    sampled_group = dist.new_group(list(range(world_size)))  # its ranks are the global ones
+    link = StageLink(stage, rank, tp_size, device, sampled_group)
+    return TensorParallel(rank % tp_size, tp_size, tp_group), link
 
 
 def destroy_model_parallel() -> None:
