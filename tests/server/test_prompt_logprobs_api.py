@@ -79,7 +79,9 @@ def test_streamed_echo_with_logprobs_equals_the_whole_response(client, model):
         parts = streamed[choice.index]
         assert "".join(parts["text"]) == choice.text
         assert parts["tokens"] == choice.logprobs.tokens
-        assert parts["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs)
+        # The two calls' steps may batch the rows differently, and float32 GEMMs sum them in an
+        # order that depends on the rows: 7e-7 seen.
+        assert parts["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-5)
         assert parts["text_offset"] == choice.logprobs.text_offset
 
 
