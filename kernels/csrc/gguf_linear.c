@@ -187,6 +187,18 @@ static inline i16x16 widen(u8x16 half, int is_signed)
 #endif
 }
 
+/* Lane l: w_2l q_2l + w_2l+1 q_2l+1. */
+static inline i32x8 multiply_pairs(i16x16 w, i16x16 q)
+{
+#if defined(__AVX2__)
+    return (i32x8)_mm256_madd_epi16((__m256i)w, (__m256i)q);
+#else
+    i32x8 sums;
+    for (int l = 0; l < 8; l++) sums[l] = (int32_t)w[2 * l] * q[2 * l] + (int32_t)w[2 * l + 1] * q[2 * l + 1];
+    return sums;
+#endif
+}
+
 /* Lane l: w_2l q_2l + w_2l+1 q_2l+1, plus `add`'s lane l. */
 static inline i32x8 multiply_add_pairs(i16x16 w, i16x16 q, i32x8 add)
 {
@@ -285,15 +297,13 @@ static inline __attribute__((always_inline)) void dots(
             for (int r = 0; r < rows; r++) {
                 const struct QuantizedRun *a = &x[(row0 + r) * runs_per_row + b * runs_per_block + j];
                 for (int f = 0; f < features; f++) {
-                    const i32x8 zero = {0};
                     if (type == GGML_Q6_K) { /* a scale per half: the halves' sums stay apart */
-                        const i32x8 low = multiply_add_pairs(low_half[f], a->q[0], zero);
-                        const i32x8 high = multiply_add_pairs(high_half[f], a->q[1], zero);
+                        const i32x8 low = multiply_pairs(low_half[f], a->q[0]);
+                        const i32x8 high = multiply_pairs(high_half[f], a->q[1]);
                         acc[f][r] += __builtin_convertvector(low, f32x8) * (run[f].scale[0] * a->d)
                                      + __builtin_convertvector(high, f32x8) * (run[f].scale[1] * a->d);
                     } else {
-                        const i32x8 both = multiply_add_pairs(high_half[f], a->q[1],
-                                                              multiply_add_pairs(low_half[f], a->q[0], zero));
+                        const i32x8 both = multiply_add_pairs(high_half[f], a->q[1], multiply_pairs(low_half[f], a->q[0]));
                         acc[f][r] += __builtin_convertvector(both, f32x8) * (run[f].scale[0] * a->d);
                     }
                     if (type == GGML_Q6_K)
@@ -319,7 +329,10 @@ static inline __attribute__((always_inline)) void output_features(
     const uint8_t *w[MAX_FEATURES];
     for (int f = 0; f < features; f++) {
         w[f] = weight + (n + f) * row_bytes;
-        __builtin_prefetch(w[f] + PREFETCH_AHEAD * row_bytes, 0, 0);
+        /* The whole row PREFETCH_AHEAD rows on, non-temporally: rows of a few hundred bytes are
+         * too short for the hardware prefetcher to ramp up. */
+        for (int64_t line = 0; line < row_bytes; line += 64)
+            __builtin_prefetch(w[f] + PREFETCH_AHEAD * row_bytes + line, 0, 0);
     }
     const size_t item = dtype_size(out_dtype);
     for (int64_t row = 0; row < rows; row += MAX_ROW_GROUP) {
