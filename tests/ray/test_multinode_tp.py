@@ -1,7 +1,7 @@
-"""Tensor parallelism across two Ray nodes, each in a network namespace of its own: the steps
-(CurveZMQ) and gloo cross veth links, never loopback. TP=2 gives TP=1's greedy tokens; a node
-that dies or a link that drops fails the in-flight requests, naming a rank and its node, and the
-engine ends within 30 s instead of waiting forever."""
+"""Tensor and pipeline parallelism across two Ray nodes, each in a network namespace of its own:
+the steps (CurveZMQ) and gloo cross veth links, never loopback. TP=2 and PP=2 give one rank's
+greedy tokens; a node that dies or a link that drops fails the in-flight requests, naming a
+rank and its node, and the engine ends within 30 s instead of waiting forever."""
 
 import re
 import threading
@@ -45,10 +45,11 @@ def model(tmp_path_factory) -> str:
     return save_tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-llama"), MAX_MODEL_LEN)
 
 
-def spread_engine(model: str, cluster: NamespaceCluster) -> LLM:
+def spread_engine(model: str, cluster: NamespaceCluster, **parallel: int) -> LLM:
+    """Two ranks, one on each node: TP=2 unless ``parallel`` says otherwise."""
     return LLM(
-        model, dtype="float32", executor="ray", tensor_parallel_size=2, ray_address=cluster.address,
-        ray_placement_strategy="STRICT_SPREAD", worker_timeout_s=WORKER_TIMEOUT_S,
+        model, dtype="float32", executor="ray", ray_address=cluster.address, ray_placement_strategy="STRICT_SPREAD",
+        worker_timeout_s=WORKER_TIMEOUT_S, **(parallel or {"tensor_parallel_size": 2}),
     )
 
 
@@ -56,12 +57,23 @@ def greedy_tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def test_tp2_with_a_rank_on_each_node_gives_the_greedy_tokens_of_tp1(cluster, model):
+@pytest.fixture(scope="module")
+def one_rank_tokens(model: str) -> list[list[int]]:
     with LLM(model, dtype="float32", executor="uni") as llm:
-        single = greedy_tokens(llm)
+        return greedy_tokens(llm)
+
+
+def test_tp2_with_a_rank_on_each_node_gives_the_greedy_tokens_of_tp1(cluster, model, one_rank_tokens):
     with spread_engine(model, cluster) as llm:
         assert [len(rank_workers_on(cluster, node)) for node in cluster.nodes] == [0, 1, 1]
-        assert greedy_tokens(llm) == single
+        assert greedy_tokens(llm) == one_rank_tokens
+
+
+def test_pp2_with_a_stage_on_each_node_gives_the_greedy_tokens_of_one_rank(cluster, model, one_rank_tokens):
+    # Hidden states and residuals cross the veth link one way, sampled tokens the other.
+    with spread_engine(model, cluster, pipeline_parallel_size=2) as llm:
+        assert [len(rank_workers_on(cluster, node)) for node in cluster.nodes] == [0, 1, 1]
+        assert greedy_tokens(llm) == one_rank_tokens
 
 
 def errors_after(fault: Callable[[], None], model: str, cluster: NamespaceCluster) -> list[str]:
