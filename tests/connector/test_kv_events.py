@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from connector_helpers import OffloadingFakeRunner, make_engine, make_request
 from strata.engine_core.core import EngineCore
 from strata.engine_core.kv_events import CPU_TIER, GPU_TIER, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from strata.engine_core.protocol import ModelRunnerOutput, SchedulerOutput
 from strata.engine_core.scheduler import SchedulerConfig
 from strata.connector.offloading_scheduler import OffloadingConnectorScheduler
 
@@ -108,6 +109,9 @@ def test_engine_core_drains_the_cpu_tier_events_every_step_without_a_publisher()
 
     class Executor(OffloadingFakeRunner):
         num_blocks, num_cpu_blocks, vocab_size = 16, 8, 1000
+
+        def execute(self, out: SchedulerOutput, grammar_bitmask: object = None) -> ModelRunnerOutput:
+            return super().execute(out)
 
         def shutdown(self) -> None:
             pass
