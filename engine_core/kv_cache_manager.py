@@ -147,17 +147,19 @@ class KVCacheManager:
             event = BlockStored(hashes[start:end], parent, (end - start) * self.block_size, GPU_TIER)
             self.pool.events.append(event)
 
-    def free_tail(self, request: Request, num_tokens: int) -> None:
+    def free_tail(self, request: Request, num_tokens: int) -> int | None:
         """Give back the request's blocks past the ones its first ``num_tokens`` tokens use
-        (slots that rejected drafts took: never full of real tokens, so never cached)."""
+        (slots that rejected drafts took: never full of real tokens, so never cached). Returns
+        the blocks kept if any were given back (the workers' tables must be cut too), else None."""
         blocks = self.req_to_blocks.get(request.request_id)
         keep = self.blocks_needed(num_tokens)
         if blocks is None or len(blocks) <= keep:
-            return
+            return None
         tail = blocks[keep:]
         del blocks[keep:]
         self.pool.free_blocks(reversed(tail))
         request.kv_fast_limit = keep * self.block_size
+        return keep
 
     def free(self, request: Request) -> None:
         """Release a request's blocks tail-first, so its prefix stays cached the longest."""

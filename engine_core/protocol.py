@@ -167,12 +167,14 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     scheduled one token unless ``num_tokens`` says otherwise; ``new_block_ids`` lists the
     blocks appended to a request's table this step. ``draft_token_ids``: packed int32 drafts
     (speculative decoding) placed after a request's last token; its scheduled tokens are that
-    token and its drafts."""
+    token and its drafts. ``kept_blocks``: a request's table length after the blocks only its
+    rejected drafts used were given back; workers cut its table there before appending."""
 
     handles: bytes = b""
     num_tokens: dict[int, int] = {}
     new_block_ids: dict[int, list[int]] = {}
     draft_token_ids: dict[int, bytes] = {}
+    kept_blocks: dict[int, int] = {}
 
 
 class BlockTransfer(msgspec.Struct, array_like=True):

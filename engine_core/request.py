@@ -67,6 +67,9 @@ class Request:
     num_prompt_logprobs_sent: int = 0  # prompt positions (from 1) whose logprobs went out
     speculate: bool = False  # set at admission: drafts may be proposed for it
     num_drafts: int = 0  # drafts scheduled in the current step
+    # Its block table's length after rejected drafts' blocks were given back, until the workers
+    # hear it with the request's next scheduled step.
+    blocks_kept: int | None = None
     in_flight: bool = False  # pipeline parallelism: in a step whose output is not back yet
 
     @property

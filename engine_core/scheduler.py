@@ -259,6 +259,9 @@ class Scheduler:
                     continue
                 if new_blocks:
                     new_block_ids[request.handle] = [block.block_id for block in new_blocks]
+            if request.blocks_kept is not None:  # before any block this step appends
+                output.cached.kept_blocks[request.handle] = request.blocks_kept
+                request.blocks_kept = None
             if num_new != 1:
                 multi_token[request.handle] = num_new
                 if drafts:
@@ -432,6 +435,7 @@ class Scheduler:
         request.handle = -1
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.blocks_kept = None  # it comes back with a table of its own
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._push_waiting(request)
@@ -582,7 +586,9 @@ class Scheduler:
             new_token_ids.append(token)
             if self._append_token(request, token):
                 return True
-        self.kv.free_tail(request, len(request.all_token_ids))
+        kept = self.kv.free_tail(request, len(request.all_token_ids))
+        if kept is not None:
+            request.blocks_kept = kept
         return False
 
     @staticmethod

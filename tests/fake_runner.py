@@ -52,6 +52,8 @@ class FakeRunner:
         drafts: dict[int, list[int]] = {}  # batch index -> drafts to verify
         for handle in unpack_handles(out.cached.handles):
             row = self.rows[handle]
+            if handle in out.cached.kept_blocks:
+                del row.block_ids[out.cached.kept_blocks[handle] :]
             row.block_ids += out.cached.new_block_ids.get(handle, [])
             if handle in out.cached.draft_token_ids:
                 drafts[len(batch)] = list(unpack_tokens(out.cached.draft_token_ids[handle]))
@@ -154,7 +156,14 @@ def step(scheduler: Scheduler, runner: FakeRunner, tokens: dict[str, list[int]],
     """One step; ``tokens`` and ``prompt_logprobs`` gather what unfinished requests received."""
     prompt_logprobs = {} if prompt_logprobs is None else prompt_logprobs
     out = scheduler.schedule()
-    outputs = scheduler.update_from_output(out, runner.execute(out))
+    result = runner.execute(out)
+    # The step's rows write into the blocks the scheduler gave them, no more and no others (rows
+    # of requests the scheduler no longer holds are a test scheduling around the runner).
+    for handle in [new.handle for new in out.new_requests] + list(unpack_handles(out.cached.handles)):
+        row = runner.rows[handle]
+        if row.request_id in scheduler.kv.req_to_blocks:
+            assert row.block_ids == scheduler.kv.get_block_ids(row.request_id), f"{row.request_id}'s block table"
+    outputs = scheduler.update_from_output(out, result)
     scheduler.check_invariants()
     for request_id, received in outputs.prompt_logprobs.items():
         positions = range(received.first_position, received.first_position + received.num_positions)

@@ -87,6 +87,10 @@ class InputBatch:
     def remove(self, row: int) -> None:
         self.request_ids[row] = None
 
+    def keep_blocks(self, row: int, count: int) -> None:
+        """Cut the row's table to its first ``count`` blocks (the rest were given back)."""
+        self.num_blocks[row] = count
+
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]
         self.block_table[row, start : start + len(block_ids)] = block_ids

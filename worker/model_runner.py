@@ -211,6 +211,8 @@ class ModelRunner:
             self.batch.add(new)
             if self.feed is not None:
                 self.feed.row_added(new.handle, step.step)
+        for handle, count in step.cached.kept_blocks.items():
+            self.batch.keep_blocks(handle, count)
         for handle, block_ids in step.cached.new_block_ids.items():
             self.batch.append_blocks(handle, block_ids)
         cached = np.frombuffer(step.cached.handles, dtype=np.uint16).astype(np.int64)

@@ -64,18 +64,24 @@ def test_max_tokens_and_eos_are_never_passed(plain, speculative):
         assert token_ids(speculative, PROMPTS[:2], params) == token_ids(plain, PROMPTS[:2], params)
 
 
-def test_tiny_random_model_with_drafts_equals_without(tmp_path, default_model_path):
+@pytest.mark.parametrize(
+    "cache", [{}, {"num_gpu_blocks": 12}], ids=["room-for-all", "small-cache-preempts"]
+)
+def test_tiny_random_model_with_drafts_equals_without(cache, tmp_path, default_model_path):
+    # With a small cache, blocks that only rejected drafts used go back to the pool and are
+    # soon another request's: the workers must stop writing there (a bug until they were told).
     from transformers import AutoTokenizer
 
     save_tiny_model(tiny_llama_config(vocab_size=49152), tmp_path)
     AutoTokenizer.from_pretrained(default_model_path).save_pretrained(tmp_path)
-    prompts = [[5, 6, 7, 8] * 6, [100, 200, 300] * 5, list(range(40, 70))]
+    prompts = [[5, 6, 7, 8] * 6, [100, 200, 300] * 5, list(range(40, 70)), [20, 21, 22] * 7]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with LLM(str(tmp_path), executor="uni", dtype="float32") as llm:
         expected = token_ids(llm, prompts, params)
-    with LLM(str(tmp_path), executor="uni", dtype="float32", **NGRAM) as llm:
+    with LLM(str(tmp_path), executor="uni", dtype="float32", **NGRAM, **cache) as llm:
         assert token_ids(llm, prompts, params) == expected
         assert llm.stats.spec_verifications > 0
+        assert llm.stats.num_preemptions > 0 or not cache
 
 
 def test_drafts_with_the_cpu_offload_tier_on_equal_decoding_without(plain):

@@ -93,6 +93,19 @@ def test_rejected_drafts_give_back_the_blocks_only_they_used(make_request):
     assert len(scheduler.kv.get_block_ids("r")) == 4, "the fifth block held only rejected drafts"
 
 
+def test_workers_cut_their_tables_where_rejected_drafts_gave_blocks_back(make_request):
+    scheduler = make_scheduler(SpeculativeConfig(method="ngram", num_speculative_tokens=8))
+    request = make_request(prompt=[7, 20, 21, 22, 23, 24, 25, 26, 27, 3, 4], request_id="r", max_tokens=20)
+    scheduler.add_request(request)
+    runner = FakeRunner(4)
+    runner.forced_tokens["r"] = [7] + [1000 + i for i in range(19)]  # every draft wrong
+    for _ in range(2):
+        step(scheduler, runner, {}, {})
+    out, _ = step(scheduler, runner, {}, {})  # step() also checks every table against the scheduler's
+    assert out.cached.kept_blocks == {request.handle: 4}
+    assert runner.rows[request.handle].block_ids[:4] == scheduler.kv.get_block_ids("r")[:4]
+
+
 def test_preemption_and_abort_around_speculated_steps_keep_the_kv_invariants(make_request):
     scheduler = make_scheduler(num_blocks=24, max_num_batched_tokens=16)
     ids = [f"r{i}" for i in range(6)]
