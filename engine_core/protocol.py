@@ -44,6 +44,17 @@ def unpack_tokens(data: bytes) -> array:
 # ---- frontend <-> EngineCore -------------------------------------------------------------
 
 
+class LoRAAdapter(msgspec.Struct, array_like=True, frozen=True):
+    """A LoRA adapter as requests name it: the name it is served under, an id unique to this
+    load of it (unloading a name and loading it again gives a new id, so KV computed with the
+    old weights is never reused), and its PEFT directory (``adapter_config.json`` and
+    ``adapter_model.safetensors``), which every worker reads."""
+
+    name: str
+    lora_id: int
+    path: str
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
@@ -52,6 +63,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag="add"):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None  # requests with different salts never share KV blocks
+    lora: LoRAAdapter | None = None  # None: the base model
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
@@ -160,6 +172,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     block_ids: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    lora_slot: int = -1  # the slot of the workers' adapter pool its tokens use; -1: none
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -190,6 +203,14 @@ class KVConnectorMetadata(msgspec.Struct, array_like=True):
     stores: list[BlockTransfer] = []
 
 
+class LoRASlotLoad(msgspec.Struct, array_like=True):
+    """Put ``adapter`` into slot ``slot`` of the workers' adapter pool before the step runs
+    (whatever the slot held before is no longer used by any request in the batch)."""
+
+    slot: int
+    adapter: LoRAAdapter
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True, tag="step"):
     """What the workers run this step. Batch order: ``new_requests`` then ``cached``.
     Workers drop ``finished_handles`` and ``preempted_handles`` before adding new requests
@@ -209,6 +230,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag="step"):
     # one. The stages before the last take the tokens sampled up to that step from the last
     # stage before they run this one.
     collected_step: int = 0
+    lora_loads: list[LoRASlotLoad] = []
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, tag="mask"):

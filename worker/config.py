@@ -41,3 +41,9 @@ class WorkerConfig(msgspec.Struct):
     pipeline_layer_partition: list[int] | None = None  # decoder layers per stage; None: balanced
     rank: int = 0  # global: pipeline stage * tensor_parallel_size + tensor-parallel rank
     distributed_init_method: str = ""
+    # LoRA: a pool of ``max_loras`` adapter slots of rank up to ``max_lora_rank`` in each
+    # targeted linear; up to ``max_cpu_loras`` adapters kept in CPU memory to swap in from.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
