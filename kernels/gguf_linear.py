@@ -18,6 +18,10 @@ from strata.kernels import native
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 TYPE_NAMES = {code: name for name, code in TYPES.items()}
 MAX_PARTS = 3
+# csrc/gguf_linear.c's layout of Q4_0 and Q4_1 rows interleaved INTERLEAVED_ROWS at a time, which
+# its kernel multiplies 16 rows per instruction in: the type code | INTERLEAVED.
+INTERLEAVED, INTERLEAVED_ROWS = 0x100, 16
+_INTERLEAVABLE_BLOCK_BYTES = {TYPES["Q4_0"]: 18, TYPES["Q4_1"]: 20}  # blocks of 32 values
 
 _BODIES = {2: "AVX512-VNNI int16 dot products", 1: "AVX2 int16 dot products", 0: "portable C"}
 # csrc/gguf_linear.c's status codes.
@@ -38,7 +42,8 @@ class MatrixStruct(ctypes.Structure):
 @dataclass(frozen=True)
 class QuantizedPart:
     """Rows of a weight matrix as blocks of ggml type ``type``: ``data`` is uint8
-    ``[rows, bytes per row]``, contiguous."""
+    ``[rows, bytes per row]``, contiguous. An ``interleaved`` part's rows are not separable (its
+    ``data`` holds them 16 at a time): only a linear multiplies it, and dequantizes it whole."""
 
     data: torch.Tensor
     type: int
@@ -46,6 +51,23 @@ class QuantizedPart:
     @property
     def rows(self) -> int:
         return self.data.shape[0]
+
+    @property
+    def base_type(self) -> int:
+        """The file's block type."""
+        return self.type & ~INTERLEAVED
+
+
+def interleaved(part: QuantizedPart) -> QuantizedPart:
+    """``part`` in the layout the Q4_0/Q4_1 kernel multiplies 16 rows at a time, where it takes
+    it (same bytes, rows interleaved in groups of 16); otherwise ``part`` itself."""
+    if part.type not in _INTERLEAVABLE_BLOCK_BYTES or part.rows % INTERLEAVED_ROWS:
+        return part
+    out = torch.empty_like(part.data)
+    in_features = part.data.shape[1] // _INTERLEAVABLE_BLOCK_BYTES[part.type] * 32
+    status = native.load_library().gguf_interleave(part.data.data_ptr(), part.type, part.rows, in_features, out.data_ptr())
+    _raise_for(status)
+    return QuantizedPart(out, part.type | INTERLEAVED)
 
 
 @dataclass
@@ -61,7 +83,7 @@ class QuantizedMatrix:
             raise ValueError(f"a quantized matrix has 1 to {MAX_PARTS} parts, got {len(self.parts)}")
         for part in self.parts:
             if not supports(part.type, self.in_features):
-                name = TYPE_NAMES.get(part.type, f"ggml type {part.type}")
+                name = TYPE_NAMES.get(part.base_type, f"ggml type {part.type}")
                 raise ValueError(f"no kernel takes {name} rows of {self.in_features} values")
             if part.data.dtype != torch.uint8 or part.data.dim() != 2 or not part.data.is_contiguous():
                 raise ValueError("a quantized part's data must be a contiguous uint8 [rows, bytes per row] tensor")

@@ -178,7 +178,7 @@ def plan_quantized_linears(model: nn.Module, dtype: torch.dtype, tp: TensorParal
     # where timings on a busy machine say otherwise they are noise.
     block_rows = max(block_rows, 1)
     measured = ", ".join(f"{rows}: {small * 1e6:.0f}/{large * 1e6:.0f}" for rows, small, large in timings)
-    reason = f"us blocks/dequantize+GEMM by rows on [{first.data[:SAMPLE_FEATURES].shape[0]}, {sample.in_features}] {gguf_linear.TYPE_NAMES[first.type]}: {measured}"
+    reason = f"us blocks/dequantize+GEMM by rows on [{first.data[:SAMPLE_FEATURES].shape[0]}, {sample.in_features}] {gguf_linear.TYPE_NAMES[first.base_type]}: {measured}"
     return QuantizedLinearPlan(block_rows, dtype, reason)
 
 

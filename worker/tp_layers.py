@@ -174,7 +174,7 @@ class ColumnParallelLinear(nn.Module):
         them (its float weight is dropped)."""
         if isinstance(source, GgufTensor):
             source.check_shape((self.matrix_rows[part], self.input_size))
-            self._quantized_parts[part] = source.part(self.shards[part])
+            self._quantized_parts[part] = gguf_linear.interleaved(source.part(self.shards[part]))
             if all(p is not None for p in self._quantized_parts):
                 self.quantized = QuantizedWeight(gguf_linear.QuantizedMatrix(self._quantized_parts, self.input_size))
                 self.weight = None
@@ -230,7 +230,7 @@ class RowParallelLinear(nn.Module):
         whole bias."""
         if isinstance(source, GgufTensor):
             source.check_shape((self.weight.shape[0], self.input_size))
-            part = gguf_linear.QuantizedPart(source.columns(self.columns), source.type)
+            part = gguf_linear.interleaved(gguf_linear.QuantizedPart(source.columns(self.columns), source.type))
             self.quantized = QuantizedWeight(gguf_linear.QuantizedMatrix([part], self.columns.stop - self.columns.start))
             self.weight = None
         elif name == "weight":

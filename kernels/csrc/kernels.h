@@ -31,7 +31,8 @@ int small_batch_linear_avx512bf16(
 int small_batch_linear_body(void);
 /* A weight matrix in GGUF's quantized blocks: up to three row ranges stacked (a merged q/k/v or
  * gate/up whose parts the file stores in different types), each of `rows[p]` rows of `types[p]`
- * blocks (ggml's type codes) at `data[p]`. */
+ * blocks (ggml's type codes; Q4_0 and Q4_1 | 0x100: rows interleaved 16 at a time by gguf_interleave)
+ * at `data[p]`. */
 struct QuantizedMatrix {
     int32_t parts;
     int32_t types[3];
@@ -42,5 +43,6 @@ int quantized_linear(const struct QuantizedMatrix *matrix, const void *x, int x_
                      int64_t in_features, const float *bias, void *out, int out_dtype, int num_threads);
 int gguf_linear_supports(int type, int64_t in_features);
 int gguf_linear_body(void);
+int gguf_interleave(const uint8_t *data, int type, int64_t rows, int64_t cols, uint8_t *out);
 int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, void *out, int out_dtype,
                     int num_threads);

@@ -43,9 +43,12 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
     return blocks.reshape(rows, -1)
 
 
+def part_of(type_name: str, blocks: np.ndarray) -> gguf_linear.QuantizedPart:
+    return gguf_linear.QuantizedPart(torch.from_numpy(np.ascontiguousarray(blocks)), gguf_linear.TYPES[type_name])
+
+
 def matrix_of(type_name: str, blocks: np.ndarray, cols: int) -> gguf_linear.QuantizedMatrix:
-    part = gguf_linear.QuantizedPart(torch.from_numpy(np.ascontiguousarray(blocks)), gguf_linear.TYPES[type_name])
-    return gguf_linear.QuantizedMatrix([part], cols)
+    return gguf_linear.QuantizedMatrix([part_of(type_name, blocks)], cols)
 
 
 def reference_weight(type_name: str, blocks: np.ndarray) -> torch.Tensor:
@@ -68,7 +71,7 @@ def build(march: str, directory: Path) -> object:
     native.compile_library("cc", flags, output, [SOURCE])
     import ctypes
 
-    names = ["quantized_linear", "gguf_linear_supports", "gguf_linear_body", "gguf_dequantize"]
+    names = ["quantized_linear", "gguf_linear_supports", "gguf_linear_body", "gguf_dequantize", "gguf_interleave"]
     return native.declare_signatures(ctypes.CDLL(str(output)), names)
 
 
@@ -101,6 +104,34 @@ def test_linear_is_within_activation_rounding_of_the_dequantized_matmul(body: st
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     out = gguf_linear.linear(x, matrix_of(type_name, blocks, 512))
     assert_within_activation_rounding(out, x, reference_weight(type_name, blocks))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_interleaved_rows_dequantize_to_the_values_the_file_stores(body: str, type_name: str) -> None:
+    blocks = random_blocks(type_name, 32, 512)
+    part = gguf_linear.interleaved(part_of(type_name, blocks))
+    assert part.type == gguf_linear.TYPES[type_name] | gguf_linear.INTERLEAVED
+    out = gguf_linear.dequantize(gguf_linear.QuantizedMatrix([part], 512))
+    assert torch.equal(out, reference_weight(type_name, blocks))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_interleaved_linear_is_within_activation_rounding_of_the_dequantized_matmul(
+    body: str, type_name: str, rows: int
+) -> None:
+    blocks = random_blocks(type_name, 48, 512, seed=rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(48)
+    matrix = gguf_linear.QuantizedMatrix([gguf_linear.interleaved(part_of(type_name, blocks))], 512)
+    out = gguf_linear.linear(x, matrix, bias)
+    assert_within_activation_rounding(out - bias, x, reference_weight(type_name, blocks))
+
+
+@pytest.mark.parametrize(("type_name", "rows"), [("Q4_1", 24), ("Q8_0", 32)], ids=["partial-group", "other-type"])
+def test_parts_the_interleaved_kernel_does_not_take_stay_as_stored(type_name: str, rows: int) -> None:
+    part = part_of(type_name, random_blocks(type_name, rows, 64))
+    assert gguf_linear.interleaved(part) is part
 
 
 def test_parts_of_different_types_fill_their_own_columns_and_the_bias_is_added(body: str) -> None:
