@@ -4,7 +4,6 @@ what HF computes with each adapter merged by PEFT; slots are reused and the CPU 
 from pathlib import Path
 
 import pytest
-import torch
 
 from strata.engine_core.protocol import LoRASlotLoad
 from strata.worker.model_runner import ModelRunner
