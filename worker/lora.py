@@ -87,7 +87,7 @@ class LoRAPool:
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the linear's output for ``x``) plus each token's adapter delta."""
         mask = self.step.mask
-        return y if mask is None else add_lora(y, x, self.a, self.b, mask)
+        return y if mask is None else add_lora(y, x, self.a, self.b, mask, self.part_rows)
 
     def slot_weights(self, parts: list[tuple[torch.Tensor, torch.Tensor] | None], scale: float) -> SlotWeights:
         """Lay out one adapter's ``(A, B)`` shards of each part (None: not targeted) for a slot."""

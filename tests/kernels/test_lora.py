@@ -30,7 +30,7 @@ def test_each_token_gets_the_delta_of_its_slots_adapter_and_base_tokens_none():
     x = torch.randn(len(token_slots), IN_FEATURES)
     base = torch.randn(len(token_slots), sum(PART_ROWS))
     step.begin(token_slots)
-    got = add_lora(base.clone(), x, pool.a, pool.b, step.mask)
+    got = add_lora(base.clone(), x, pool.a, pool.b, step.mask, PART_ROWS)
     expected = base + reference.lora_delta(x, torch.from_numpy(token_slots), adapters, scales, PART_ROWS)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
