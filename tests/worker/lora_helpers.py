@@ -4,7 +4,7 @@ through ``ModelRunner.execute`` with hand-built steps."""
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 
 from strata.engine_core.protocol import (
     CachedRequestData, LoRAAdapter, LoRASlotLoad, NewRequestData, SchedulerOutput, pack_handles, unpack_tokens,
@@ -29,10 +29,11 @@ class TinyAdapters:
     merged: list[PreTrainedModel]
 
 
-def save_tiny_adapters(path: Path) -> TinyAdapters:
-    """Adapter 1: every module, rank 8. Adapter 2: q, v and down, rank 4, rsLoRA."""
+def save_tiny_adapters(path: Path, config: PreTrainedConfig | None = None) -> TinyAdapters:
+    """A tiny model of ``config`` (default: tiny llama) and two adapters. Adapter 1: every
+    module, rank 8. Adapter 2: q, v and down, rank 4, rsLoRA."""
     model_dir = path / "model"
-    base = save_tiny_model(tiny_llama_config(), model_dir)
+    base = save_tiny_model(config or tiny_llama_config(), model_dir)
     first = save_tiny_lora(base, path / "all", ALL_MODULES, rank=8, seed=1)
     second = save_tiny_lora(base, path / "some", ("q_proj", "v_proj", "down_proj"), rank=4, seed=2, use_rslora=True)
     adapters = [LoRAAdapter("all", 1, str(path / "all")), LoRAAdapter("some", 2, str(path / "some"))]

@@ -10,7 +10,7 @@ from strata.worker.model_runner import ModelRunner
 from worker_helpers import SINGLE_RANK
 
 from lora_helpers import TinyAdapters, greedy_steps, lora_config, save_tiny_adapters
-from model_factory import hf_greedy, random_prompts, save_tiny_model, tiny_mixtral_config
+from model_factory import hf_greedy, random_prompts, save_tiny_model, tiny_gemma3_config, tiny_mixtral_config
 
 NUM_TOKENS = 6
 
@@ -32,6 +32,14 @@ def test_one_batch_of_two_adapters_and_base_rows_decodes_as_hf_with_each_adapter
     assert tokens == expected
     # The adapters change what is decoded (a test of a no-op adapter would pass too).
     assert tokens[0] != hf_greedy(tiny.base, prompts[0], NUM_TOKENS)
+
+
+def test_gemma3_with_an_adapter_decodes_as_hf_with_it_merged(tmp_path: Path):
+    tiny = save_tiny_adapters(tmp_path, tiny_gemma3_config())
+    runner = ModelRunner(lora_config(tiny.model_dir), SINGLE_RANK)
+    prompts = random_prompts([9, 14], vocab_size=97)
+    tokens = greedy_steps(runner, prompts, [0, -1], [LoRASlotLoad(0, tiny.adapters[0])], NUM_TOKENS)
+    assert tokens == [hf_greedy(tiny.merged[0], prompts[0], NUM_TOKENS), hf_greedy(tiny.base, prompts[1], NUM_TOKENS)]
 
 
 def test_a_slot_loaded_with_another_adapter_gives_that_adapters_tokens(tiny):
