@@ -277,3 +277,25 @@ def w8a8_linear(
     ``quantize_activations_fp8`` does, both sides dequantized, multiplied in float32."""
     x_fp8, x_scale = quantize_activations_fp8(x, input_scale)
     return scaled_linear(x_fp8.float() * x_scale, weight, scale, bias).to(x.dtype)
+
+
+def lora_delta(
+    x: torch.Tensor,
+    token_slots: torch.Tensor,
+    adapters: dict[int, list[tuple[torch.Tensor, torch.Tensor] | None]],
+    scales: dict[int, float],
+    part_rows: list[int],
+) -> torch.Tensor:
+    """The LoRA delta of a linear with parts of ``part_rows`` output rows, token by slot:
+    ``x[t] A^T B^T * scale`` of the adapter in slot ``token_slots[t]`` (none for -1), per part;
+    ``adapters[slot][p]`` is part ``p``'s ``(A [r, in], B [rows, r])`` or None (not targeted).
+    Loops over slots and parts: the oracle of ``kernels/lora.py``."""
+    delta = torch.zeros(x.shape[0], sum(part_rows), dtype=torch.float32)
+    offsets = [sum(part_rows[:p]) for p in range(len(part_rows))]
+    for slot, parts in adapters.items():
+        tokens = token_slots == slot
+        for offset, rows, pair in zip(offsets, part_rows, parts):
+            if pair is not None:
+                a, b = pair
+                delta[tokens, offset : offset + rows] = x[tokens].float() @ a.float().T @ b.float().T * scales[slot]
+    return delta

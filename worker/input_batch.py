@@ -27,6 +27,7 @@ class StepInputs:
     query_start_loc: np.ndarray  # [B + 1]
     seq_lens: np.ndarray  # [B]
     block_tables: np.ndarray  # [B, max blocks used this step]
+    lora_slots: np.ndarray  # [T] the LoRA slot each token uses, -1: the base model
 
 
 class InputBatch:
@@ -55,6 +56,7 @@ class InputBatch:
         self.stop_token_ids: list[list[int]] = [[] for _ in range(num_rows)]
         self.logit_bias: list[dict[int, float] | None] = [None] * num_rows
         self.request_ids: list[str | None] = [None] * num_rows
+        self.lora_slot = np.full(num_rows, -1, dtype=np.int64)  # -1: the base model
 
     def add(self, new: NewRequestData) -> None:
         row = new.handle
@@ -83,6 +85,7 @@ class InputBatch:
             stop.append(new.eos_token_id)
         self.stop_token_ids[row] = stop
         self.request_ids[row] = new.request_id
+        self.lora_slot[row] = new.lora_slot
 
     def remove(self, row: int) -> None:
         self.request_ids[row] = None
@@ -115,6 +118,7 @@ class InputBatch:
             query_start_loc=np.concatenate(([0], ends)),
             seq_lens=seq_lens,
             block_tables=self.block_table[rows, :max_blocks],
+            lora_slots=self.lora_slot[token_row],
         )
 
     def place_drafts(self, row: int, drafts: np.ndarray) -> None:

@@ -35,8 +35,9 @@ from strata.worker.tp_layers import (
     load_full,
 )
 
-if TYPE_CHECKING:  # only for the annotation: fused_decode_layers imports this module
+if TYPE_CHECKING:  # only for the annotations: both modules import this one
     from strata.worker.fused_decode_layers import FusedDecoderLayer
+    from strata.worker.lora import LoRAStep
 
 # The checkpoint matrices a merged layer holds, in part order.
 _MERGED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -205,6 +206,7 @@ class LlamaModel(nn.Module):
         if stage.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, self.layers[self.stage_layers.start].self_attn.head_dim)
+        self.lora_step: "LoRAStep | None" = None  # set by lora.attach_lora_pools
 
     def forward(
         self,
@@ -232,10 +234,13 @@ class LlamaModel(nn.Module):
     def fused_step(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
     ) -> cpu_decoder_layer.Step | None:
-        """The step's arguments for the layers' fused C halves, or None: no layer is fused, or
-        the step has more rows than they take."""
+        """The step's arguments for the layers' fused C halves, or None: no layer is fused, the
+        step has more rows than they take, or it has rows with LoRA adapters (the C halves
+        cannot add their deltas)."""
         fused = self.layers[self.stage_layers.start].fused
         if fused is None or hidden.shape[0] > fused.max_rows:
+            return None
+        if self.lora_step is not None and self.lora_step.active:
             return None
         return cpu_decoder_layer.decode_step(
             hidden, cos, sin, meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens
@@ -251,10 +256,12 @@ class LlamaForCausalLM(nn.Module):
     Other families subclass it and override ``decoder_layer`` (``decoder`` too where the layers
     are joined differently, and ``checkpoint_name`` where their checkpoints name modules
     differently). With a pipeline ``stage`` it holds that stage's layers only (``num_layers``
-    counts them); ``supports_pipeline_parallel`` says whether a family's decoder can be split.
+    counts them); ``supports_pipeline_parallel`` says whether a family's decoder can be split,
+    ``supports_lora`` whether its layers can hold LoRA adapters.
     """
 
     supports_pipeline_parallel = True
+    supports_lora = True  # every decoder layer has the four adaptable linears (worker/lora.py)
 
     def __init__(
         self,

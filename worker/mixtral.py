@@ -13,6 +13,8 @@ from strata.worker.parallel_state import TensorParallel
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral: Llama attention and a ``SparseMoE`` feed-forward in every layer."""
 
+    supports_lora = False  # adapters of experts are not supported
+
     def decoder_layer(
         self,
         config: PreTrainedConfig,

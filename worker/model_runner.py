@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig
 
 from strata.connector.offloading_worker import OffloadingConnectorWorker
 from strata.engine_core.protocol import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput, pack_tokens, unpack_tokens
@@ -19,6 +20,8 @@ from strata.worker.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from strata.worker.draft_verification import DraftLayout
 from strata.worker.input_batch import InputBatch, StepInputs, to_device
 from strata.worker.kv_cache_sizing import KVCacheSizer
+from strata.worker.lora import LoRAStep, attach_lora_pools
+from strata.worker.lora_slots import LoRASlots
 from strata.worker.cpu_linear_plan import (
     apply_cpu_linear_plan, apply_quantized_linear_plan, plan_cpu_linears, plan_quantized_linears,
 )
@@ -72,6 +75,7 @@ class ModelRunner:
         if quantized_plan is not None:
             apply_quantized_linear_plan(self.model, quantized_plan)
             logger.info("rank %d: GGUF-block linears (%s): %s", tp.rank, blocks_from.name, quantized_plan.describe())
+        self.lora = lora_slots(config, tp, self.model, self.dtype, self.device)
         self.cache_dtype = self.backend.cache_dtype(self.dtype)
         self.block_size = config.block_size
         sizer = KVCacheSizer(config, tp, self.model, self.cache_dtype, self.device)
@@ -106,6 +110,8 @@ class ModelRunner:
         """Run the step; ``grammar_bitmask`` gives the masks of ``step.structured_rows``, asked
         for only once the logits are computed (the EngineCore fills them meanwhile)."""
         rows, num_scheduled, drafts = self._update_batch(step)
+        if self.lora is not None:
+            self.lora.load(step.lora_loads)
         if self.offload is not None:
             self.offload.start_transfers(step.kv_connector_metadata)
         if len(rows) == 0:
@@ -116,7 +122,12 @@ class ModelRunner:
                 self.offload.wait_for_progress(IDLE_TRANSFER_WAIT_S)
             return ModelRunnerOutput(step=step.step, rank=self.config.rank, kv_connector_output=self._finished_transfers())
         inputs = self.batch.prepare(rows, num_scheduled)
-        graph_size = self.graphs.size_for(num_scheduled) if self.graphs is not None else None
+        lora_active = False
+        if self.lora is not None:
+            self.lora.step.begin(inputs.lora_slots)
+            lora_active = self.lora.step.active
+        # The graphs were captured without adapter deltas: steps with adapter rows run eagerly.
+        graph_size = self.graphs.size_for(num_scheduled) if self.graphs is not None and not lora_active else None
         if graph_size is not None:
             # Decode-only, one token per row: the last hidden states are all the hidden states.
             hidden = last_hidden = self.graphs.run(inputs, graph_size)
@@ -323,6 +334,24 @@ def cuda_graph_sizes(config: WorkerConfig, tp: TensorParallel, device: torch.dev
         logger.info("rank %d: no CUDA graphs: %s collectives cannot be captured", tp.rank, dist.get_backend(tp.group))
         return []
     return graph_batch_sizes(config.max_num_seqs, config.cuda_graph_sizes)
+
+
+def lora_slots(
+    config: WorkerConfig, tp: TensorParallel, model: torch.nn.Module, dtype: torch.dtype, device: torch.device
+) -> LoRASlots | None:
+    """With ``enable_lora``, adapter pools in the model's linears and the cache to fill them from."""
+    if not config.enable_lora:
+        return None
+    step = LoRAStep(config.max_loras, config.max_lora_rank, dtype, device)
+    targets = attach_lora_pools(model, step)
+    model_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
+    max_cached = config.max_loras if config.max_cpu_loras is None else config.max_cpu_loras
+    logger.info(
+        "rank %d: LoRA: %d slots of rank %d in %d linears (%.1f MB), %d adapters cached in CPU memory",
+        tp.rank, config.max_loras, config.max_lora_rank, len(targets),
+        sum(t.pool.a.nbytes + t.pool.b.nbytes for t in targets) / 1e6, max_cached,
+    )
+    return LoRASlots(targets, step, model_config, config.max_lora_rank, max_cached)
 
 
 def default_num_threads(num_ranks: int) -> int:

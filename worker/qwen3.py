@@ -69,6 +69,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     multiple of ``decoder_sparse_step``; dense layers keep an ``intermediate_size`` MLP. The
     router renormalises its top-k weights when ``norm_topk_prob``."""
 
+    supports_lora = False  # adapters of experts are not supported
+
     def feed_forward(self, config: PreTrainedConfig, tp: TensorParallel, index: int) -> torch.nn.Module:
         sparse = (
             index not in config.mlp_only_layers

@@ -27,6 +27,12 @@ class TensorSource(Protocol):
     def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor: ...
 
 
+class OutputDelta(Protocol):
+    """Something a linear adds to its output for ``x``: ``worker/lora.py``'s adapter pool."""
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
+
 def read_shard(source: TensorSource, full_shape: tuple[int, ...], index: slice | tuple[slice, ...]) -> torch.Tensor:
     """``source[index]``, once the whole checkpoint tensor is known to have ``full_shape``: a
     larger tensor would otherwise be cut down to the parameter's shard without a word."""
@@ -151,13 +157,16 @@ class ColumnParallelLinear(nn.Module):
         self.quantized: QuantizedWeight | None = None
         self.scaled: ScaledWeight | None = None  # 8-bit weight, per-row scales (worker/scaled_weights.py)
         self._quantized_parts: list[gguf_linear.QuantizedPart | None] = [None] * len(self.shards)
+        self.lora: OutputDelta | None = None  # LoRA adapter slots, added after the base matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return self.quantized.linear(x, self.bias)
-        if self.scaled is not None:
-            return self.scaled.linear(x, self.bias)
-        return linear(x, self.weight, self.bias, self.streamed, self.packed)
+            y = self.quantized.linear(x, self.bias)
+        elif self.scaled is not None:
+            y = self.scaled.linear(x, self.bias)
+        else:
+            y = linear(x, self.weight, self.bias, self.streamed, self.packed)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def plan_cpu_(self, gemm_dtype: torch.dtype, stream_rows: int, pack: bool) -> None:
         """Stream steps of up to ``stream_rows`` rows; hold the weight and bias for the GEMM in
@@ -199,6 +208,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.input_size = input_size
+        self.output_size = output_size
         self.columns = columns or tp.shard(input_size)
         self.weight = empty_parameter(output_size, self.columns.stop - self.columns.start)
         self.bias = empty_parameter(output_size) if bias else None
@@ -206,6 +216,8 @@ class RowParallelLinear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.quantized: QuantizedWeight | None = None
         self.scaled: ScaledWeight | None = None  # 8-bit weight, per-row scales (worker/scaled_weights.py)
+        # LoRA adapter slots: their delta joins the partial sum, so the all-reduce sums it too.
+        self.lora: OutputDelta | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
@@ -214,6 +226,8 @@ class RowParallelLinear(nn.Module):
             partial = self.scaled.linear(x)
         else:
             partial = linear(x, self.weight, None, self.streamed, self.packed)
+        if self.lora is not None:
+            partial = self.lora.apply(x, partial)
         y = self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 

@@ -86,6 +86,7 @@ def _decode_step(runner: PagedRunner, seqs: list[int], tokens: list[int]) -> Ste
         query_start_loc=np.arange(len(seqs) + 1),
         seq_lens=positions + 1,
         block_tables=tables,
+        lora_slots=np.full(len(seqs), -1),
     )
 
 

@@ -1,13 +1,9 @@
 """Two gloo ranks compute the same full-vocabulary logits as one rank (Llama family, Gemma 3)."""
 
-import socket
-import time
-from multiprocessing.connection import wait
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from transformers import PreTrainedConfig
 
 from strata.worker.attention import CpuAttentionBackend
@@ -18,18 +14,12 @@ from strata.worker.scaled_weights import ScaledScheme
 from model_factory import TINY_CONFIGS, random_prompts, save_tiny_model, tiny_gemma3_config, tiny_llama_config
 from worker_helpers import (
     SINGLE_RANK, STREAMED_FLOAT32, PagedRunner, greedy_decode, load_gguf_blocks, load_ours, load_planned, load_scaled,
+    spawn_ranks,
 )
 
 TP_SIZE = 2
 PROMPT_LENGTHS = [7, 20]
 DECODE_TOKENS = 3
-JOIN_TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _run_rank(rank: int, port: int, model_dir: Path, out_dir: Path, device: str, load: str) -> None:
@@ -47,30 +37,7 @@ def _run_rank(rank: int, port: int, model_dir: Path, out_dir: Path, device: str,
 
 
 def _run_ranks(model_dir: Path, out_dir: Path, device: str = "cpu", load: str = "float32") -> list[torch.Tensor]:
-    context = mp.get_context("spawn")
-    port = _free_port()
-    ranks = [
-        context.Process(target=_run_rank, args=(rank, port, model_dir, out_dir, device, load))
-        for rank in range(TP_SIZE)
-    ]
-    try:
-        for process in ranks:
-            process.start()
-        # Stop waiting as soon as one rank fails: its peer would block in a collective until timeout.
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        running = list(ranks)
-        while running and not any(process.exitcode for process in ranks):
-            timeout = max(0.0, deadline - time.monotonic())
-            if not wait([process.sentinel for process in running], timeout=timeout):
-                break
-            running = [process for process in running if process.exitcode is None]
-        exit_codes = [process.exitcode for process in ranks]
-        assert exit_codes == [0] * TP_SIZE, f"rank exit codes (None = still running): {exit_codes}"
-    finally:
-        for process in ranks:
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
+    spawn_ranks(_run_rank, (model_dir, out_dir, device, load), TP_SIZE)
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(TP_SIZE)]
 
 

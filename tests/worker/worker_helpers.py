@@ -1,9 +1,14 @@
 """Shared by the worker tests: a driver that runs our model through a
 paged KV cache the way the model runner does (shuffled block tables, ragged batches)."""
 
+import socket
+import time
+from collections.abc import Callable
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 
 from strata.kernels import cpu_linear
 from strata.worker.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, get_attention_backend
@@ -16,6 +21,7 @@ from strata.worker.parallel_state import TensorParallel
 from strata.worker.scaled_weights import ScaledScheme
 
 SINGLE_RANK = TensorParallel(rank=0, size=1)
+JOIN_TIMEOUT_S = 120
 # What a CPU without native bfloat16 runs: float32 GEMMs, every step the kernels take streamed.
 STREAMED_FLOAT32 = CpuLinearPlan(torch.float32, False, cpu_linear.MAX_ROWS, "tests: float32 GEMMs, streamed decode steps")
 
@@ -120,3 +126,35 @@ def greedy_decode(
     return generated, torch.cat(all_logits)
 
 
+
+
+def spawn_ranks(target: Callable[..., None], args: tuple, num_ranks: int) -> None:
+    """Run ``target(rank, port, *args)`` in ``num_ranks`` spawned processes (``port``: a free
+    one for the group's rendezvous) and assert that every one exits cleanly."""
+    context = mp.get_context("spawn")
+    port = _free_port()
+    ranks = [context.Process(target=target, args=(rank, port, *args)) for rank in range(num_ranks)]
+    try:
+        for process in ranks:
+            process.start()
+        # Stop waiting as soon as one rank fails: its peer would block in a collective until timeout.
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        running = list(ranks)
+        while running and not any(process.exitcode for process in ranks):
+            timeout = max(0.0, deadline - time.monotonic())
+            if not wait([process.sentinel for process in running], timeout=timeout):
+                break
+            running = [process for process in running if process.exitcode is None]
+        exit_codes = [process.exitcode for process in ranks]
+        assert exit_codes == [0] * num_ranks, f"rank exit codes (None = still running): {exit_codes}"
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
