@@ -1,5 +1,6 @@
 """Tiny random HF checkpoints the tests build and save themselves, and HF reference decoding."""
 
+import copy
 from pathlib import Path
 
 import torch
@@ -159,6 +160,33 @@ def save_tiny_model(
                 param.normal_(std=0.1)
     model.save_pretrained(path, **save_options)
     return model
+
+
+def save_tiny_lora(
+    base: PreTrainedModel,
+    path: Path,
+    target_modules: tuple[str, ...],
+    rank: int,
+    seed: int,
+    alpha: int = 16,
+    use_rslora: bool = False,
+) -> PreTrainedModel:
+    """Save a PEFT LoRA adapter of ``base`` with random A and B (a fresh adapter's zero B would
+    change nothing) to ``path``; return a copy of ``base`` with the adapter merged, the reference
+    for that adapter's outputs. ``base`` itself is left as it was."""
+    from peft import LoraConfig, get_peft_model  # a test extra that only adapter tests need
+
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(target_modules), use_rslora=use_rslora, init_lora_weights=False
+    )
+    adapted = get_peft_model(copy.deepcopy(base), config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_" in name:
+                param.normal_(std=0.1)
+    adapted.save_pretrained(path)
+    return adapted.merge_and_unload().eval()
 
 
 def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
