@@ -114,8 +114,9 @@ class CPUTier:
             block_ids.append(block.block_id)
         return StorePlan(new_hashes, block_ids, evicted)
 
-    def complete_store(self, hashes: list[bytes], success: bool = True) -> None:
-        """The copies into these blocks finished: they become hits, or are dropped on failure."""
+    def complete_store(self, hashes: list[bytes], success: bool = True, lora_id: int | None = None) -> None:
+        """The copies into these blocks finished: they become hits, or are dropped on failure.
+        ``lora_id``: the adapter load whose KV they hold (for the event)."""
         for block_hash in hashes:
             if success:
                 self._blocks[block_hash].ready = True
@@ -125,7 +126,7 @@ class CPUTier:
         if success:
             # The tier does not know a key's parent: the keys of one store are consecutive
             # blocks of one request, but their parent may have been stored long ago.
-            self._events.append(BlockStored(list(hashes), None, len(hashes) * self.block_size, CPU_TIER))
+            self._events.append(BlockStored(list(hashes), None, len(hashes) * self.block_size, CPU_TIER, lora_id))
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []

@@ -193,7 +193,8 @@ class OffloadingConnectorScheduler(SchedulerConnector):
             self._end_transfer(transfer.owner, released)
         for transfer_id in output.finished_sending:
             transfer = self._transfers.pop(transfer_id)
-            self.tier.complete_store(transfer.hashes)
+            lora = transfer.owner.request.lora
+            self.tier.complete_store(transfer.hashes, lora_id=None if lora is None else lora.lora_id)
             self.stats.blocks_stored += len(transfer.hashes)
             self._end_transfer(transfer.owner, released)
         return loaded, released
@@ -239,7 +240,9 @@ class OffloadingConnectorScheduler(SchedulerConnector):
         """Tier keys of the request's offload blocks ``first`` .. ``end - 1`` (all full)."""
         hashes = request.block_hashes
         if len(hashes) < end * self.factor:
-            extend_block_hashes(hashes, request.all_token_ids, self.block_size, salt=request.cache_salt)
+            extend_block_hashes(
+                hashes, request.all_token_ids, self.block_size, salt=request.cache_salt, lora=request.lora
+            )
         return hashes[(first + 1) * self.factor - 1 : end * self.factor : self.factor]
 
     def _store_full_blocks(self, state: _RequestState, num_computed: int) -> None:

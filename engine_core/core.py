@@ -111,6 +111,7 @@ class EngineCore:
             arrival_time=request.arrival_time or time.time(),
             priority=request.priority,
             cache_salt=request.cache_salt,
+            lora=request.lora,
         )
         if params.structured_outputs is None:
             self.scheduler.add_request(scheduled)

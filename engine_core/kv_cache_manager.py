@@ -65,7 +65,9 @@ class KVCacheManager:
         counted in ``prefix_stats``: the caller records the lookup that admits a request."""
         if not self.enable_caching:
             return [], 0
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, salt=request.cache_salt)
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, salt=request.cache_salt, lora=request.lora
+        )
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
@@ -129,22 +131,26 @@ class KVCacheManager:
         if num_full <= num_cached:
             return
         hashes = request.block_hashes
-        extend_block_hashes(hashes, request.all_token_ids, self.block_size, salt=request.cache_salt)
+        extend_block_hashes(
+            hashes, request.all_token_ids, self.block_size, salt=request.cache_salt, lora=request.lora
+        )
         run_start = None  # the first index of the current run of newly registered blocks
         for index in range(num_cached, num_full):
             if self.pool.cache_block(blocks[index], hashes[index]):
                 run_start = index if run_start is None else run_start
             elif run_start is not None:
-                self._stored(hashes, run_start, index)
+                self._stored(request, run_start, index)
                 run_start = None
         if run_start is not None:
-            self._stored(hashes, run_start, num_full)
+            self._stored(request, run_start, num_full)
         self._num_cached_blocks[request.request_id] = num_full
 
-    def _stored(self, hashes: list[bytes], start: int, end: int) -> None:
+    def _stored(self, request: Request, start: int, end: int) -> None:
         if self.pool.record_events:
+            hashes = request.block_hashes
             parent = hashes[start - 1] if start else None
-            event = BlockStored(hashes[start:end], parent, (end - start) * self.block_size, GPU_TIER)
+            lora_id = None if request.lora is None else request.lora.lora_id
+            event = BlockStored(hashes[start:end], parent, (end - start) * self.block_size, GPU_TIER, lora_id)
             self.pool.events.append(event)
 
     def free_tail(self, request: Request, num_tokens: int) -> int | None:

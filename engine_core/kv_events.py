@@ -31,12 +31,14 @@ _POLL_MS = 200
 class BlockStored(msgspec.Struct, array_like=True, tag="stored"):
     """Blocks that became prefix-cache hits in ``tier``. ``block_hashes`` chain in order;
     ``parent_hash`` is the hash before the first (None at the root, or where the tier does
-    not know it); ``token_count`` is the tokens they hold together."""
+    not know it); ``token_count`` is the tokens they hold together; ``lora_id`` is the LoRA
+    adapter load whose KV they hold (None: the base model; the id is in the hashes too)."""
 
     block_hashes: list[bytes]
     parent_hash: bytes | None
     token_count: int
     tier: str
+    lora_id: int | None = None
 
 
 class BlockRemoved(msgspec.Struct, array_like=True, tag="removed"):

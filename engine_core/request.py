@@ -3,6 +3,7 @@
 import enum
 from dataclasses import dataclass, field
 
+from strata.engine_core.protocol import LoRAAdapter
 from strata.engine_core.sampling_params import SamplingParams
 
 
@@ -46,6 +47,9 @@ class Request:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None  # mixed into the first block's hash: no sharing across salts
+    lora: LoRAAdapter | None = None  # its adapter (None: the base model); in the hashes too
+    lora_slot: int = -1  # the adapter's slot in the workers' pool while it runs; -1 otherwise
+    lora_waits: int = 0  # steps it has waited, since it last ran, for its adapter to get a slot
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     all_token_ids: list[int] = field(default_factory=list)

@@ -11,6 +11,11 @@ With pipeline parallelism up to ``pipeline_depth`` steps (micro-batches) are in 
 ``schedule`` may run again before earlier steps' outputs are back, a request is in at most one
 of them (one in flight is neither scheduled nor preempted), and the running requests are shared
 out so that the micro-batches are of similar size.
+
+With LoRA adapters (``max_loras`` > 0) a request runs only while its adapter holds a slot of
+the workers' pool (``lora_slots.py``); one whose adapter finds none waits while requests behind
+it that can run go ahead, until it has waited ``starvation_steps``: then no later request
+joins a slot, so the slots drain and the next one to fall idle is its.
 """
 
 import heapq
@@ -24,10 +29,12 @@ from strata.engine_core.block_pool import KVCacheBlock
 from strata.engine_core.kv_cache_manager import KVCacheManager
 from strata.engine_core.kv_connector import SchedulerConnector
 from strata.engine_core.kv_events import KVEvent
+from strata.engine_core.lora_slots import LoRASlots
 from strata.engine_core.ngram_proposer import NgramProposer, SpeculativeConfig
 from strata.engine_core.protocol import (
     EngineCoreOutputs,
     FinishedRequest,
+    LoRAAdapter,
     ModelRunnerOutput,
     NewRequestData,
     PromptLogprobs,
@@ -52,7 +59,9 @@ class SchedulerConfig:
     """Step budgets and policies. ``starvation_steps``: a waiting request at the head of the
     queue that has been passed over for this many steps while others ran may preempt one.
     ``speculative``: how decoding requests get drafts to verify (off by default).
-    ``pipeline_depth``: steps that may be in flight at once (the pipeline's stages)."""
+    ``pipeline_depth``: steps that may be in flight at once (the pipeline's stages).
+    ``max_loras``: slots of the workers' LoRA adapter pool, so adapters in one step (0: LoRA
+    off, requests naming an adapter are refused)."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -63,8 +72,11 @@ class SchedulerConfig:
     starvation_steps: int | None = 1000
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     pipeline_depth: int = 1
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "pipeline_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -113,6 +125,7 @@ class Scheduler:
         self.prompt_tokens_computed = 0
         self.proposer = NgramProposer(config.speculative) if config.speculative.method is not None else None
         self.spec = SpecDecodeStats(config.speculative.num_speculative_tokens)
+        self.lora_slots = LoRASlots(config.max_loras) if config.max_loras else None
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -152,6 +165,8 @@ class Scheduler:
             return f"request id {request.request_id!r} is already in use"
         if prompt_len == 0:
             return "the prompt is empty"
+        if request.lora is not None and self.lora_slots is None:
+            return f"the request names LoRA adapter {request.lora.name!r} but this engine serves no adapters"
         if prompt_len > self.config.max_model_len:
             return (
                 f"the prompt has {prompt_len} tokens, more than max_model_len "
@@ -329,6 +344,9 @@ class Scheduler:
         # finished loading: they hold every block they need already, and the one that found no
         # room may be waiting for exactly those blocks.
         head_blocked = False
+        # Set once a request has waited too long for an adapter slot: then no later request
+        # joins a slot either, so the slots drain and the next one to fall idle is its.
+        lora_draining = False
         while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if head_blocked and not self._loaded:
                 break
@@ -337,6 +355,13 @@ class Scheduler:
                 break
             loaded = request.request_id in self._loaded
             if not loaded and (head_blocked or request.status == RequestStatus.WAITING_FOR_KV):
+                deferred.append(request)
+                continue
+            if request.lora is not None and (lora_draining or not self._slot_for(request.lora)):
+                # Requests behind it that can run go ahead: the base model, adapters in a slot.
+                request.lora_waits += 1
+                limit = self.config.starvation_steps
+                lora_draining |= limit is not None and request.lora_waits > limit
                 deferred.append(request)
                 continue
             if loaded:
@@ -359,6 +384,10 @@ class Scheduler:
             if head is not None:
                 head.waited_steps += 1
         return scheduled, start_budget - budget
+
+    def _slot_for(self, adapter: LoRAAdapter) -> bool:
+        assert self.lora_slots is not None  # admission refused adapters without slots
+        return self.lora_slots.can_acquire(adapter)
 
     def _admit(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
         """Allocate and start a waiting request. Returns the tokens scheduled for it, 0 if it
@@ -396,6 +425,10 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.waited_steps = 0
         request.handle = self._free_handles.pop()
+        if request.lora is not None:
+            assert self.lora_slots is not None
+            request.lora_slot = self.lora_slots.acquire(request.lora, output.lora_loads)
+            request.lora_waits = 0
         insort(self.running, request, key=_queue_key)
         if num_computed < request.num_prompt_tokens:
             self.prompt_tokens_computed += min(num_new, request.num_prompt_tokens - num_computed)
@@ -413,6 +446,7 @@ class Scheduler:
                 block_ids=block_ids,
                 num_computed_tokens=num_computed,
                 num_scheduled_tokens=num_new,
+                lora_slot=request.lora_slot,
             )
         )
         request.num_computed_tokens = num_computed + num_new
@@ -433,6 +467,7 @@ class Scheduler:
         output.preempted_handles.append(request.handle)
         self._free_handles.append(request.handle)
         request.handle = -1
+        self._release_lora_slot(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.blocks_kept = None  # it comes back with a table of its own
@@ -466,6 +501,8 @@ class Scheduler:
         head = self._peek_waiting()
         if head is None or head.status == RequestStatus.WAITING_FOR_KV:
             return
+        if head.lora is not None and not self._slot_for(head.lora):
+            return  # preempting frees a slot only with its adapter's last request: none is made
         while True:
             victim = self._last_preemptable()
             if victim is None or head.queue_key >= self.running[victim].queue_key or self._would_fit(head):
@@ -629,10 +666,17 @@ class Scheduler:
         if request.handle >= 0:
             self._released_handles.append(request.handle)
             request.handle = -1
+        self._release_lora_slot(request)
         self._release_blocks(request, self.connector.request_finished)
         self._pending_finished.append(
             FinishedRequest(request.request_id, FINISH_REASONS[status], message, request.stop_token_id)
         )
+
+    def _release_lora_slot(self, request: Request) -> None:
+        if request.lora_slot >= 0:
+            assert self.lora_slots is not None
+            self.lora_slots.release(request.lora_slot)
+            request.lora_slot = -1
 
     def _release_blocks(self, request: Request, ask_connector: Callable[[Request, list[int]], str | None]) -> None:
         """Free a request's blocks, or hold them if the connector says a copy still uses them."""
@@ -677,6 +721,8 @@ class Scheduler:
             raise AssertionError("more running requests than max_num_seqs")
         if self.num_waiting != sum(1 for _, r in self._waiting if not r.finished):
             raise AssertionError("num_waiting does not match the waiting queue")
+        if self.lora_slots is not None:
+            self.lora_slots.check_invariants([r.lora_slot for r in self.running if r.lora is not None])
 
 
 @dataclass

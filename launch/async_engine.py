@@ -12,11 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 
-from strata.engine_core.protocol import EngineCoreOutputs, SchedulerStats
+from strata.engine_core.protocol import EngineCoreOutputs, LoRAAdapter, SchedulerStats
 from strata.engine_core.sampling_params import SamplingParams
 from strata.runtime.data_parallel.replicas import AsyncDPClient
 from strata.runtime.core_client import AsyncCoreClient, EngineDeadError
 from strata.runtime.engine_args import EngineArgs, ResolvedConfig, resolve
+from strata.launch.lora_registry import LoRARegistry
 from strata.launch.output_processor import CompletionDelta, OutputProcessor
 from strata.launch.outputs import RequestOutput
 from strata.launch.prompts import encode_text
@@ -36,6 +37,7 @@ class AsyncEngine:
         if config.tokenizer_path is None:
             raise ValueError("the async engine and the server need a tokenizer: pass --tokenizer DIR, not --skip-tokenizer")
         self.tokenizer = load_tokenizer(config.tokenizer_path)
+        self.loras = LoRARegistry.start(args, config)  # a bad --lora-modules stops here
         self.client = AsyncCoreClient(config) if args.data_parallel_size == 1 else AsyncDPClient(args, config)
         self.processor = OutputProcessor.for_model(self.tokenizer, config.model_path)
         self._streams: dict[str, asyncio.Queue] = {}
@@ -73,8 +75,10 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> AsyncIterator[CompletionDelta]:
-        """Stream the deltas of every completion of ``prompt`` until all are finished.
+        """Stream the deltas of every completion of ``prompt`` until all are finished, with
+        the LoRA adapter ``lora`` (one of ``self.loras``; None: the base model).
         Raises ``EngineDeadError`` if the engine dies meanwhile, ``ValueError`` at once for a
         request id already in use."""
         if self.dead_reason is not None:
@@ -83,7 +87,7 @@ class AsyncEngine:
         text, token_ids = (prompt, self.tokenize(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         # Registered first: a duplicate request id raises here, before it could replace the
         # stream of the request that holds the id.
-        requests = self.processor.add_request(request_id, text, token_ids, params, priority, cache_salt)
+        requests = self.processor.add_request(request_id, text, token_ids, params, priority, cache_salt, lora)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False

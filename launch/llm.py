@@ -12,6 +12,7 @@ from strata.runtime.core_client import SyncCoreClient
 from strata.runtime.data_parallel.replicas import SyncDPClient
 from strata.runtime.engine_args import EngineArgs, ResolvedConfig, resolve
 from strata.runtime.inproc_client import InprocClient
+from strata.launch.lora_registry import LoRARegistry, LoRARequest
 from strata.launch.output_processor import OutputProcessor
 from strata.launch.outputs import RequestOutput
 from strata.launch.prompts import encode_chat, encode_text
@@ -40,6 +41,7 @@ class LLM:
         self.args = EngineArgs(model=model, **engine_args)
         self.config = resolve(self.args)
         self.tokenizer = load_tokenizer(self.config.tokenizer_path)
+        self.loras = LoRARegistry.start(self.args, self.config)  # a bad --lora-modules stops here
         self.engine = start_engine(self.args, self.config)
         self.processor = OutputProcessor.for_model(self.tokenizer, self.config.model_path)
         self._ids = itertools.count()
@@ -52,11 +54,14 @@ class LLM:
         *,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt (text, or token ids); outputs come back in prompt order. Text
         is encoded with the tokenizer's default special tokens (a BOS where it adds one). With
         ``cache_salt``, these prompts share cached KV blocks only with requests that carry the
-        same salt (tenant isolation of the prefix cache)."""
+        same salt (tenant isolation of the prefix cache). With ``lora_request`` (one for every
+        prompt, or a list with one per prompt, None for the base model), they run with that LoRA
+        adapter, loaded at its first use (the engine needs ``enable_lora=True``)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, Sequence):
@@ -67,15 +72,24 @@ class LLM:
             raise TypeError("sampling_params must be a SamplingParams or a list of them")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if not isinstance(lora_request, Sequence) or not all(r is None or isinstance(r, LoRARequest) for r in lora_request):
+            raise TypeError("lora_request must be a LoRARequest or a list of them (None: the base model)")
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"{len(lora_request)} lora_requests for {len(prompts)} prompts")
+        loras = [None if request is None else self.loras.for_request(request) for request in lora_request]
         # Every prompt is checked and registered before any reaches the engine: a bad one
         # raises with nothing left behind.
         request_ids: list[str] = []
         requests = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
+            for prompt, params, lora in zip(prompts, sampling_params, loras):
                 text, token_ids = self._encode(prompt)
                 request_id = str(next(self._ids))
-                requests += self.processor.add_request(request_id, text, token_ids, params, cache_salt=cache_salt)
+                requests += self.processor.add_request(
+                    request_id, text, token_ids, params, cache_salt=cache_salt, lora=lora
+                )
                 request_ids.append(request_id)
         except (TypeError, ValueError):
             for request_id in request_ids:

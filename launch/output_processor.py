@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 from transformers import PreTrainedTokenizerBase
 
-from strata.engine_core.protocol import EngineCoreOutputs, EngineCoreRequest
+from strata.engine_core.protocol import EngineCoreOutputs, EngineCoreRequest, LoRAAdapter
 from strata.engine_core.sampling_params import SamplingParams
 from strata.launch.detokenizer import IncrementalDetokenizer
 from strata.launch.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -71,9 +71,11 @@ class OutputProcessor:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> list[EngineCoreRequest]:
         """Register a prompt and return the engine requests for its ``n`` completions.
-        ``cache_salt``: requests share prefix-cache blocks only with requests of the same salt."""
+        ``cache_salt``: requests share prefix-cache blocks only with requests of the same salt.
+        ``lora``: the adapter its completions run with (None: the base model)."""
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
         if cache_salt == "":
@@ -108,7 +110,9 @@ class OutputProcessor:
             )
             self._completions[child_id] = _Completion(output, completion, detokenizer, params.logprobs is not None)
             requests.append(
-                EngineCoreRequest(child_id, prompt_token_ids, child_params, self.eos_token_id, now, priority, cache_salt)
+                EngineCoreRequest(
+                    child_id, prompt_token_ids, child_params, self.eos_token_id, now, priority, cache_salt, lora
+                )
             )
         return requests
 

@@ -159,6 +159,22 @@ class EngineArgs:
         2048, "cache-aware: tokens of extra load a prefix hit may cost before least-loaded wins", rule=at_least(0)
     )
     dp_router_max_hashes: int = flag(1 << 20, "cache-aware: block hashes the router remembers", rule=at_least(1))
+    enable_lora: bool = flag(
+        False, "serve LoRA adapters (implied by --lora-modules and --enable-lora-runtime-updates)"
+    )
+    lora_modules: list[str] | None = flag(
+        None, "LoRA adapters to serve from the start, as NAME=PATH (a PEFT directory); requests pick one "
+        "by its NAME as their model"
+    )
+    max_loras: int = flag(1, "LoRA: adapters in one step (slots of the workers' adapter pool)", rule=at_least(1))
+    max_lora_rank: int = flag(16, "LoRA: the largest adapter rank the slots hold", rule=at_least(1))
+    max_cpu_loras: int | None = flag(
+        None, "LoRA: adapters the workers keep in CPU memory to swap into a slot (default: --max-loras)",
+        rule=at_least(1),
+    )
+    enable_lora_runtime_updates: bool = flag(
+        False, "serve: let API clients load and unload adapters (POST /v1/load_lora_adapter, /v1/unload_lora_adapter)"
+    )
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -192,7 +208,30 @@ class EngineArgs:
             )
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): the CPU "
+                "memory holds every adapter a step may use"
+            )
+        self.lora_module_paths()  # raises if a --lora-modules entry is not NAME=PATH
         self.speculative_config()  # raises if the speculative flags disagree
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine serves adapters: asked for, or implied by adapters to serve."""
+        return self.enable_lora or bool(self.lora_modules) or self.enable_lora_runtime_updates
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """``--lora-modules`` as adapter name -> path; ValueError on a malformed or repeated name."""
+        paths: dict[str, str] = {}
+        for entry in self.lora_modules or ():
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules entries are NAME=PATH, got {entry!r}")
+            if name in paths:
+                raise ValueError(f"lora_modules names {name!r} twice")
+            paths[name] = path
+        return paths
 
     def speculative_config(self) -> SpeculativeConfig:
         return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.ngram_min, self.ngram_max)
@@ -214,7 +253,8 @@ class EngineArgs:
 
 def _parse_options(field: dataclasses.Field) -> dict[str, Any]:
     """How argparse reads a field's option, from its type: a bool is a switch (with a
-    ``--no-`` form where it defaults to on), ``list[int]`` comma-separated integers."""
+    ``--no-`` form where it defaults to on), ``list[int]`` comma-separated integers, ``list[str]``
+    one or more words."""
     value_type = field.type
     if isinstance(value_type, types.UnionType):  # int | None: parse an int
         (value_type,) = (member for member in get_args(value_type) if member is not type(None))
@@ -222,6 +262,8 @@ def _parse_options(field: dataclasses.Field) -> dict[str, Any]:
         return {"action": argparse.BooleanOptionalAction if field.default else "store_true"}
     if value_type == list[int]:
         return {"type": _int_list}
+    if value_type == list[str]:
+        return {"nargs": "+"}
     return {"type": value_type, "choices": field.metadata["flag"].choices}
 
 
@@ -290,13 +332,14 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         speculative=args.speculative_config(),
         pipeline_depth=args.pipeline_parallel_size,
+        max_loras=args.max_loras if args.lora_enabled else 0,
     )
     engine_fields = dataclasses.asdict(args)
     same_named = {name: engine_fields[name] for name in WorkerConfig.__struct_fields__ if name in engine_fields}
     gguf = gguf_file(args.model)
     resolved_here = {
         "model": str(path), "device": _device(args.device), "max_model_len": max_model_len,
-        "gguf_file": None if gguf is None else str(gguf),
+        "gguf_file": None if gguf is None else str(gguf), "enable_lora": args.lora_enabled,
     }
     worker = WorkerConfig(**(same_named | resolved_here))
     ray_config = None

@@ -20,6 +20,7 @@ class Row:
     block_ids: list[int]
     num_prompt: int = 0
     wants_prompt_logprobs: bool = False
+    lora_slot: int = -1
 
 
 def next_token(token_ids: list[int]) -> int:
@@ -37,16 +38,21 @@ class FakeRunner:
     block_size: int
     rows: dict[int, Row] = field(default_factory=dict)
     forced_tokens: dict[str, list[int]] = field(default_factory=dict)  # scripted outputs
+    lora_slots: dict[int, int] = field(default_factory=dict)  # LoRA slot -> lora_id it holds
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for handle in out.finished_handles + out.preempted_handles:
             del self.rows[handle]
+        for load in out.lora_loads:
+            assert all(row.lora_slot != load.slot for row in self.rows.values()), "reloaded a slot in use"
+            self.lora_slots[load.slot] = load.adapter.lora_id
         batch: list[tuple[Row, int]] = []
         for new in out.new_requests:
             assert new.handle not in self.rows, "handle reused before it was released"
             row = Row(new.request_id, new.prompt_token_ids + new.output_token_ids,
                        new.num_computed_tokens, list(new.block_ids), len(new.prompt_token_ids),
-                       new.sampling_params.prompt_logprobs is not None)
+                       new.sampling_params.prompt_logprobs is not None, new.lora_slot)
+            assert new.lora_slot < 0 or new.lora_slot in self.lora_slots, "a slot never loaded"
             self.rows[new.handle] = row
             batch.append((row, new.num_scheduled_tokens))
         drafts: dict[int, list[int]] = {}  # batch index -> drafts to verify
@@ -163,6 +169,9 @@ def step(scheduler: Scheduler, runner: FakeRunner, tokens: dict[str, list[int]],
         row = runner.rows[handle]
         if row.request_id in scheduler.kv.req_to_blocks:
             assert row.block_ids == scheduler.kv.get_block_ids(row.request_id), f"{row.request_id}'s block table"
+        request = scheduler.requests.get(row.request_id)
+        if request is not None and request.lora is not None:
+            assert runner.lora_slots[row.lora_slot] == request.lora.lora_id, f"{row.request_id}'s adapter"
     outputs = scheduler.update_from_output(out, result)
     scheduler.check_invariants()
     for request_id, received in outputs.prompt_logprobs.items():

@@ -8,13 +8,12 @@ FastAPI, so that size, encoding, JSON and schema errors each get their own clear
 import hashlib
 import hmac
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json
@@ -30,12 +29,14 @@ from strata.launch.server.protocol import (
     DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    UnloadLoRAAdapterRequest,
 )
 from strata.launch.server.completions import ChatCompletions, Completions
+from strata.launch.server.models import ServedModels
 from strata.launch.server.reasoning_parsers import reasoning_format
 from strata.launch.server.responses import Responses
 from strata.launch.server.responses_protocol import ResponsesRequest
@@ -97,7 +98,7 @@ def build_app(engine: AsyncEngine, options: AppOptions) -> FastAPI:
     chat = ChatCompletions(engine, model_name, metrics, options.tool_call_parser, options.reasoning_parser)
     responses = Responses(chat)
     tokenization = Tokenization(engine, model_name, options.tool_call_parser)
-    model_card = ModelCard(id=model_name, created=int(time.time()), max_model_len=engine.max_model_len)
+    models = ServedModels(engine, model_name)
 
     def require_api_key(request: Request) -> None:
         if not options.api_keys:
@@ -133,13 +134,21 @@ def build_app(engine: AsyncEngine, options: AppOptions) -> FastAPI:
 
     @v1.get("/models")
     async def list_models() -> Response:
-        return json_response(ModelList(data=[model_card]))
+        return json_response(ModelList(data=models.cards()))
 
     @v1.get("/models/{model}")
     async def retrieve_model(model: str) -> Response:
-        if model != model_name:
-            raise APIError.model_not_found(model)
-        return json_response(model_card)
+        return json_response(models.card(model))
+
+    @v1.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await read_body(request, LoadLoRAAdapterRequest, options.max_request_bytes)
+        return PlainTextResponse(await models.load(body))
+
+    @v1.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await read_body(request, UnloadLoRAAdapterRequest, options.max_request_bytes)
+        return PlainTextResponse(models.unload(body))
 
     app.include_router(v1)
 

@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from strata.engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 from strata.launch.async_engine import AsyncEngine
 from strata.launch.server.metrics import ServerMetrics
+from strata.launch.server.models import served_adapter
 from strata.launch.server.reasoning_parsers import reasoning_format
 from strata.launch.server.streams import DONE, ChoiceParser, EngineRun, Job, answer, sse
 from strata.launch.server.structured import logit_bias_of, structured_outputs_of
@@ -123,7 +124,7 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
 
     def envelope(self, job: Job) -> dict:
         """The fields every response and chunk starts with."""
-        return {"id": job.request_id, "created": job.created, "model": self.model_name}
+        return {"id": job.request_id, "created": job.created, "model": job.model}
 
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
@@ -145,8 +146,7 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
         self, body: RequestT, tenant_salt: str | None, prompts: list[list[int]],
         constraint: StructuredOutputsParams | None, tools: ToolPlan | None = None,
     ) -> Job:
-        if body.model != self.model_name:
-            raise APIError.model_not_found(body.model)
+        lora = served_adapter(self.engine, self.model_name, body.model)
         if not all(prompts):
             raise APIError(400, "the prompt is empty", param=self.prompt_param)
         longest = max(len(prompt) for prompt in prompts)
@@ -169,11 +169,13 @@ class OpenAIEndpoint(ABC, Generic[RequestT]):
         return Job(
             request_id=f"{self.id_prefix}-{uuid.uuid4().hex}",
             created=int(time.time()),
+            model=body.model,
             prompts=prompts,
             params=self._sampling_params(body, max_tokens, constraint),
             stream=stream,
             include_usage=stream and body.stream_options is not None and bool(body.stream_options.include_usage),
             cache_salt=_cache_salt(tenant_salt, body.cache_salt),
+            lora=lora,
             priority=body.priority or 0,
             tools=tools,
         )

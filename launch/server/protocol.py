@@ -352,13 +352,29 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
-    """``GET /v1/models/{id}``; ``max_model_len`` is an extension (as in vLLM)."""
+    """``GET /v1/models/{id}``; ``max_model_len`` is an extension (as in vLLM), and so are,
+    for a LoRA adapter, ``root`` (its directory) and ``parent`` (the base model's name)."""
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "strata"
     max_model_len: int
+    root: str | None = None
+    parent: str | None = None
+
+
+class LoadLoRAAdapterRequest(StrictModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the PEFT directory ``lora_path`` as ``lora_name``."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoRAAdapterRequest(StrictModel):
+    """``POST /v1/unload_lora_adapter``: stop serving ``lora_name``."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
 
 
 class ModelList(BaseModel):

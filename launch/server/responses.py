@@ -153,7 +153,7 @@ class Responses:
             id=job.request_id,
             created_at=job.created,
             status=status,
-            model=self.chat.model_name,
+            model=job.model,
             output=output,
             instructions=body.instructions,
             max_output_tokens=body.max_output_tokens,

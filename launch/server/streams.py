@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from strata.engine_core.protocol import LoRAAdapter
 from strata.engine_core.sampling_params import SamplingParams
 from strata.launch.async_engine import AsyncEngine
 from strata.launch.output_processor import CompletionDelta
@@ -44,11 +45,13 @@ class Job:
 
     request_id: str
     created: int
+    model: str  # as the request named it: the base model's name or an adapter's
     prompts: list[list[int]]  # token ids; several only for /v1/completions with a list
     params: SamplingParams
     stream: bool
     include_usage: bool
     cache_salt: str | None = None
+    lora: LoRAAdapter | None = None  # the adapter ``model`` names; None: the base model
     priority: int = 0
     echo: list[str] | None = None  # each prompt's text, to put before its choices' text
     tools: ToolPlan | None = None
@@ -207,7 +210,8 @@ class EngineRun:
     async def _pump(self, prompt_index: int) -> None:
         job, request_id = self._job, self._request_ids[prompt_index]
         deltas = self._engine.generate(
-            job.prompts[prompt_index], job.params, request_id, priority=job.priority, cache_salt=job.cache_salt
+            job.prompts[prompt_index], job.params, request_id, priority=job.priority, cache_salt=job.cache_salt,
+            lora=job.lora,
         )
         try:
             async for delta in deltas:

@@ -4,6 +4,7 @@ their context."""
 
 from strata.launch.async_engine import AsyncEngine
 from strata.launch.server.completions import chat_prompt_ids
+from strata.launch.server.models import served_adapter
 from strata.launch.server.protocol import (
     APIError,
     DetokenizeRequest,
@@ -63,5 +64,5 @@ class Tokenization:
         return DetokenizeResponse(prompt=self.engine.tokenizer.decode(body.tokens))
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError.model_not_found(model)
+        if model is not None:
+            served_adapter(self.engine, self.model_name, model)  # adapters share the base's tokenizer

@@ -48,7 +48,7 @@ class ReplicaSet:
 
     def route(self, request: EngineCoreRequest) -> int:
         self.drain_events()
-        block_hashes = self.router.block_hashes(request.prompt_token_ids, request.cache_salt)
+        block_hashes = self.router.block_hashes(request.prompt_token_ids, request.cache_salt, request.lora)
         replica = self.router.choose(block_hashes)
         self.router.routed(request.request_id, replica, block_hashes, len(request.prompt_token_ids))
         self.owner[request.request_id] = replica

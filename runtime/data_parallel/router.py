@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from strata.engine_core.block_hash import extend_block_hashes
 from strata.engine_core.kv_events import CPU_TIER, GPU_TIER, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from strata.engine_core.protocol import LoRAAdapter
 
 # Why a replica holds a hash: one bit each, ``_KINDS`` bits per replica in a hash's mask.
 _BIT = {GPU_TIER: 0, CPU_TIER: 1}
@@ -81,11 +82,15 @@ class Router:
         best = min(holders, key=self.load.__getitem__)
         return least if self.load[best] > self.load[least] + self.load_margin else best
 
-    def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[bytes]:
-        """The prompt's full-block hashes, as the EngineCore computes them ([] unless cache-aware)."""
+    def block_hashes(
+        self, token_ids: list[int], cache_salt: str | None = None, lora: LoRAAdapter | None = None
+    ) -> list[bytes]:
+        """The prompt's full-block hashes, as the EngineCore computes them ([] unless cache-aware):
+        a request's adapter is in them, so a prefix routes to the replicas holding it for that
+        adapter."""
         hashes: list[bytes] = []
         if self.policy == "cache-aware":
-            extend_block_hashes(hashes, token_ids, self.block_size, salt=cache_salt)
+            extend_block_hashes(hashes, token_ids, self.block_size, salt=cache_salt, lora=lora)
         return hashes
 
     def routed(self, request_id: str, replica: int, block_hashes: list[bytes], num_tokens: int) -> None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from connector_helpers import OffloadingFakeRunner, make_engine, make_request
 from strata.engine_core.core import EngineCore
 from strata.engine_core.kv_events import CPU_TIER, GPU_TIER, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from strata.engine_core.protocol import ModelRunnerOutput, SchedulerOutput
+from strata.engine_core.protocol import LoRAAdapter, ModelRunnerOutput, SchedulerOutput
 from strata.engine_core.scheduler import SchedulerConfig
 from strata.connector.offloading_scheduler import OffloadingConnectorScheduler
 
@@ -101,6 +101,22 @@ def test_a_small_pool_produces_evictions_and_preemptions_the_model_follows():
         assert model.tiers[GPU_TIER] == set(engine.scheduler.kv.pool.cached)
         assert model.tiers[CPU_TIER] == cpu_contents(engine.connector)
     assert engine.scheduler.num_preemptions > 0 and removed_tiers == {GPU_TIER, CPU_TIER}
+
+
+def test_stored_events_name_the_adapter_whose_kv_the_blocks_hold():
+    engine = make_engine(16, 16, max_loras=1)
+    engine.scheduler.kv.pool.record_events = True
+    adapted = make_request("adapted", list(range(3, 23)))
+    adapted.lora = LoRAAdapter("a", 7, "/a")
+    engine.add(adapted)
+    engine.add(make_request("base", list(range(103, 123))))
+    stored: dict[tuple[str, int | None], int] = {}
+    for _ in engine.steps():
+        for event in engine.scheduler.take_kv_events():
+            if isinstance(event, BlockStored):
+                key = (event.tier, event.lora_id)
+                stored[key] = stored.get(key, 0) + len(event.block_hashes)
+    assert stored == {(GPU_TIER, 7): 5, (GPU_TIER, None): 5, (CPU_TIER, 7): 5, (CPU_TIER, None): 5}
 
 
 def test_engine_core_drains_the_cpu_tier_events_every_step_without_a_publisher():

@@ -13,6 +13,7 @@ from strata.connector.offloading_scheduler import OffloadingConnectorScheduler
 from connector_helpers import OffloadEngine, expected_output, make_engine, make_request
 from strata.engine_core.block_hash import extend_block_hashes
 from strata.engine_core.kv_connector import SchedulerConnector
+from strata.engine_core.protocol import LoRAAdapter
 from strata.engine_core.request import RequestStatus
 
 PROMPT = list(range(10, 30))  # 20 tokens: five full GPU blocks of 4
@@ -68,6 +69,27 @@ def test_cpu_tier_serves_a_prefix_only_to_requests_with_the_same_cache_salt():
     assert blocks_loaded_for("unsalted", None) == 0
     assert blocks_loaded_for("same-tenant", "tenant-a") == 4
     assert engine.results["same-tenant"].token_ids == expected_output(PROMPT, 2)
+    engine.assert_idle()
+
+
+def test_cpu_tier_serves_a_prefix_only_to_requests_with_the_same_adapter():
+    engine = make_engine(num_gpu_blocks=12, num_cpu_blocks=64, max_loras=2)
+    adapter_a, adapter_b = LoRAAdapter("a", 1, "/a"), LoRAAdapter("b", 2, "/b")
+
+    def blocks_loaded_for(request_id: str, lora: LoRAAdapter | None) -> int:
+        request = make_request(request_id, PROMPT)
+        request.lora = lora
+        loaded = engine.connector.stats.blocks_loaded
+        engine.add(request)
+        engine.run()
+        loaded = engine.connector.stats.blocks_loaded - loaded
+        evict_from_gpu(engine)
+        return loaded
+
+    assert blocks_loaded_for("first", adapter_a) == 0
+    assert blocks_loaded_for("other-adapter", adapter_b) == 0
+    assert blocks_loaded_for("base", None) == 0
+    assert blocks_loaded_for("same-adapter", adapter_a) == 4
     engine.assert_idle()
 
 

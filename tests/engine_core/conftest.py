@@ -13,7 +13,7 @@ def make_request():
     """Build a request with a distinct prompt; keyword arguments go to SamplingParams."""
 
     def make(num_prompt_tokens: int = 20, *, prompt=None, request_id=None, priority=0,
-             arrival_time=0.0, eos_token_id=None, cache_salt=None, **params) -> Request:
+             arrival_time=0.0, eos_token_id=None, cache_salt=None, lora=None, **params) -> Request:
         params.setdefault("max_tokens", 8)
         number = next(_ids)
         return Request(
@@ -24,6 +24,7 @@ def make_request():
             arrival_time=arrival_time,
             priority=priority,
             cache_salt=cache_salt,
+            lora=lora,
         )
 
     return make

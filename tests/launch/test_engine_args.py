@@ -84,3 +84,41 @@ def test_a_family_whose_decoder_cannot_be_split_is_refused_naming_the_flag(tmp_p
     tiny_gemma3_config().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="Gemma3ForCausalLM does not support --pipeline-parallel-size > 1"):
         resolve(EngineArgs(model=str(tmp_path), skip_tokenizer=True, pipeline_parallel_size=2))
+
+
+def test_lora_flags_resolve_into_the_scheduler_and_worker_configs(tmp_path: Path) -> None:
+    tiny_llama_config().save_pretrained(tmp_path)
+    parsed = engine_parser().parse_args(
+        ["--lora-modules", "sql=/a", "chat=/b", "--max-loras", "3", "--max-lora-rank", "8", "--max-cpu-loras", "5"]
+    )
+    args = EngineArgs.from_cli(parsed)
+    assert args.lora_module_paths() == {"sql": "/a", "chat": "/b"}
+    resolved = resolve(dataclasses.replace(args, model=str(tmp_path), skip_tokenizer=True, device="cpu"))
+    assert resolved.scheduler.max_loras == 3
+    worker = resolved.worker
+    assert (worker.enable_lora, worker.max_loras, worker.max_lora_rank, worker.max_cpu_loras) == (True, 3, 8, 5)
+
+
+def test_without_lora_flags_the_scheduler_has_no_adapter_slots(tmp_path: Path) -> None:
+    tiny_llama_config().save_pretrained(tmp_path)
+    resolved = resolve(EngineArgs(model=str(tmp_path), skip_tokenizer=True, device="cpu"))
+    assert resolved.scheduler.max_loras == 0 and resolved.worker.enable_lora is False
+
+
+@pytest.mark.parametrize("implying", [{"lora_modules": ["a=/a"]}, {"enable_lora_runtime_updates": True}])
+def test_adapters_to_serve_imply_enable_lora(implying: dict) -> None:
+    assert EngineArgs(**implying).lora_enabled
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"lora_modules": ["sql"]}, "lora_modules entries are NAME=PATH, got 'sql'"),
+        ({"lora_modules": ["sql=/a", "sql=/b"]}, "lora_modules names 'sql' twice"),
+        ({"max_loras": 4, "max_cpu_loras": 2}, r"max_cpu_loras \(2\) must be >= max_loras \(4\)"),
+        ({"max_lora_rank": 0}, "max_lora_rank must be >= 1"),
+    ],
+)
+def test_lora_settings_that_cannot_work_are_refused(settings: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**settings)

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from strata.engine_core.kv_events import CPU_TIER, GPU_TIER, AllBlocksCleared, BlockRemoved, BlockStored
+from strata.engine_core.protocol import LoRAAdapter
 from strata.runtime.data_parallel.router import Router
 
 BLOCK = 4
@@ -159,3 +160,13 @@ def test_a_salted_prompt_is_not_routed_by_the_unsalted_copy_of_its_prefix():
     route(router, 1, prompt(1))
     assert choose(router, prompt(1)) == 1
     assert router.choose(router.block_hashes(prompt(1), cache_salt="tenant-a")) == 0  # the least loaded
+
+
+def test_a_prompt_routes_by_its_adapter_and_prefix():
+    router = Router(3, "cache-aware", BLOCK)
+    adapter_a, adapter_b = LoRAAdapter("a", 1, "/a"), LoRAAdapter("b", 2, "/b")
+    router.routed("with-a", 1, router.block_hashes(prompt(1), lora=adapter_a), len(prompt(1)))
+    router.routed("with-b", 2, router.block_hashes(prompt(1), lora=adapter_b), len(prompt(1)))
+    assert router.choose(router.block_hashes(prompt(1), lora=adapter_a)) == 1
+    assert router.choose(router.block_hashes(prompt(1), lora=adapter_b)) == 2
+    assert choose(router, prompt(1)) == 0  # the base model holds it nowhere: the least loaded
