@@ -51,6 +51,16 @@ class LoRASlots:
         self._users[slot] += 1
         return slot
 
+    def forget(self, lora_id: int) -> None:
+        """Empty the slot of an adapter the workers could not load (no running request holds
+        it any more), so that the next adapter to need a slot takes it first."""
+        slot = self._slot_of.pop(lora_id, None)
+        if slot is None:
+            return
+        assert self._users[slot] == 0, "a failed adapter's slot is still held"
+        self.adapters[slot] = None
+        self._idle.move_to_end(slot, last=False)
+
     def release(self, slot: int) -> None:
         """A request holding ``slot`` stopped running."""
         self._users[slot] -= 1

@@ -135,6 +135,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_accepted_tokens: int = 0
     spec_verifications: int = 0
     spec_accepted_by_position: list[int] = []
+    # With LoRA adapters on: running and waiting requests by adapter name (adapters with none
+    # left out; empty when LoRA is off, so the stats of engines without adapters stay small).
+    lora_running: dict[str, int] = {}
+    lora_waiting: dict[str, int] = {}
 
     @classmethod
     def before_any_step(cls) -> "SchedulerStats":
@@ -267,11 +271,14 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag="out"):
     verified_token_ids: dict[int, bytes] = {}
     # Seconds the rank computed this step, not counting a wait for the previous pipeline stage.
     busy_seconds: float = 0.0
+    # LoRA adapters this step's ``lora_loads`` could not put into their slots (their files went
+    # missing or changed since the frontend checked them): ``lora_id`` -> why.
+    lora_load_errors: dict[int, str] = {}
 
 
 # ---- process control ----------------------------------------------------------------------
 
-UtilityResult = dict[str, int | float | str | bool | list[int] | None]
+UtilityResult = dict[str, int | float | str | bool | list[int] | dict[str, int] | None]
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, tag="call"):

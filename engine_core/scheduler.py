@@ -15,10 +15,13 @@ out so that the micro-batches are of similar size.
 With LoRA adapters (``max_loras`` > 0) a request runs only while its adapter holds a slot of
 the workers' pool (``lora_slots.py``); one whose adapter finds none waits while requests behind
 it that can run go ahead, until it has waited ``starvation_steps``: then no later request
-joins a slot, so the slots drain and the next one to fall idle is its.
+joins a slot, so the slots drain and the next one to fall idle is its. An adapter the workers
+could not load (its files went missing after the frontend checked them) fails its requests, and
+that load is refused from then on.
 """
 
 import heapq
+from collections import Counter
 from collections.abc import Callable
 from bisect import insort
 from dataclasses import dataclass, field
@@ -109,6 +112,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._waiting: list[tuple[tuple, Request]] = []  # heap; aborted entries are skipped
         self.num_waiting = 0
+        self._lora_waiting: Counter[str] = Counter()  # waiting requests by adapter name, none at 0
         self._arrivals = 0
         self._step = 0
         self._in_flight: dict[int, list[Request]] = {}  # step -> its requests in batch order, until its output
@@ -126,6 +130,9 @@ class Scheduler:
         self.proposer = NgramProposer(config.speculative) if config.speculative.method is not None else None
         self.spec = SpecDecodeStats(config.speculative.num_speculative_tokens)
         self.lora_slots = LoRASlots(config.max_loras) if config.max_loras else None
+        # Adapter loads the workers could not do, lora_id -> why: their requests are refused,
+        # since blocks their rows computed (with whatever the slot held) carry their hashes.
+        self._failed_loras: dict[int, str] = {}
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -167,6 +174,8 @@ class Scheduler:
             return "the prompt is empty"
         if request.lora is not None and self.lora_slots is None:
             return f"the request names LoRA adapter {request.lora.name!r} but this engine serves no adapters"
+        if request.lora is not None and request.lora.lora_id in self._failed_loras:
+            return self._failed_loras[request.lora.lora_id]
         if prompt_len > self.config.max_model_len:
             return (
                 f"the prompt has {prompt_len} tokens, more than max_model_len "
@@ -187,7 +196,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None:
                 if request.status != RequestStatus.RUNNING:
-                    self.num_waiting -= 1
+                    self._count_waiting(request, -1)
                 self._finish(request, status, message)
         self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
 
@@ -526,15 +535,23 @@ class Scheduler:
 
     def _push_waiting(self, request: Request) -> None:
         heapq.heappush(self._waiting, (request.queue_key, request))
-        self.num_waiting += 1
+        self._count_waiting(request, 1)
 
     def _pop_waiting(self) -> Request | None:
         while self._waiting:
             request = heapq.heappop(self._waiting)[1]
             if not request.finished:
-                self.num_waiting -= 1
+                self._count_waiting(request, -1)
                 return request
         return None
+
+    def _count_waiting(self, request: Request, change: int) -> None:
+        self.num_waiting += change
+        if request.lora is not None:
+            name = request.lora.name
+            self._lora_waiting[name] += change
+            if not self._lora_waiting[name]:
+                del self._lora_waiting[name]
 
     def _peek_waiting(self) -> Request | None:
         while self._waiting and self._waiting[0][1].finished:
@@ -559,6 +576,8 @@ class Scheduler:
             request.in_flight = False
         if len(tokens) != len(scheduled):
             raise ValueError(f"{len(tokens)} sampled tokens for {len(scheduled)} scheduled requests")
+        if runner_output.lora_load_errors:  # before the tokens, which such rows must not get
+            self._fail_adapters(runner_output.lora_load_errors)
         request_ids: list[str] = []
         new_token_ids: list[int] = []
         logprobs: dict[str, TokenLogprobs] = {}
@@ -591,6 +610,16 @@ class Scheduler:
         return EngineCoreOutputs(
             request_ids, new_token_ids, logprobs, self.take_finished(), self.stats(), prompt_logprobs
         )
+
+    def _fail_adapters(self, errors: dict[int, str]) -> None:
+        """Finish every request of the adapter loads the workers could not do with the reason,
+        refuse later ones, and empty their slots."""
+        assert self.lora_slots is not None
+        self._failed_loras.update(errors)
+        for lora_id, why in errors.items():
+            ids = [r.request_id for r in self.requests.values() if r.lora is not None and r.lora.lora_id == lora_id]
+            self.abort_requests(ids, why)
+            self.lora_slots.forget(lora_id)
 
     def _append_token(self, request: Request, token: int) -> bool:
         """Add a generated token and apply the stop rules to it; True if the request finished."""
@@ -692,6 +721,9 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         prefix = self.kv.prefix_stats
+        lora_running = (
+            Counter(r.lora.name for r in self.running if r.lora is not None) if self.lora_slots is not None else {}
+        )
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=self.num_waiting,
@@ -705,6 +737,8 @@ class Scheduler:
             spec_accepted_tokens=self.spec.accepted_tokens,
             spec_verifications=self.spec.verifications,
             spec_accepted_by_position=list(self.spec.accepted_by_position),
+            lora_running=dict(lora_running),
+            lora_waiting=dict(self._lora_waiting),
         )
 
     def check_invariants(self) -> None:
@@ -723,6 +757,9 @@ class Scheduler:
             raise AssertionError("num_waiting does not match the waiting queue")
         if self.lora_slots is not None:
             self.lora_slots.check_invariants([r.lora_slot for r in self.running if r.lora is not None])
+        waiting_loras = Counter(r.lora.name for _, r in self._waiting if not r.finished and r.lora is not None)
+        if waiting_loras != self._lora_waiting:
+            raise AssertionError(f"waiting by adapter {dict(self._lora_waiting)}, but the queue holds {dict(waiting_loras)}")
 
 
 @dataclass

@@ -39,13 +39,17 @@ class FakeRunner:
     rows: dict[int, Row] = field(default_factory=dict)
     forced_tokens: dict[str, list[int]] = field(default_factory=dict)  # scripted outputs
     lora_slots: dict[int, int] = field(default_factory=dict)  # LoRA slot -> lora_id it holds
+    unloadable_loras: set[int] = field(default_factory=set)  # lora_ids whose loads fail (files gone)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for handle in out.finished_handles + out.preempted_handles:
             del self.rows[handle]
+        lora_load_errors = {}
         for load in out.lora_loads:
             assert all(row.lora_slot != load.slot for row in self.rows.values()), "reloaded a slot in use"
             self.lora_slots[load.slot] = load.adapter.lora_id
+            if load.adapter.lora_id in self.unloadable_loras:
+                lora_load_errors[load.adapter.lora_id] = f"LoRA adapter {load.adapter.name!r} could not be loaded"
         batch: list[tuple[Row, int]] = []
         for new in out.new_requests:
             assert new.handle not in self.rows, "handle reused before it was released"
@@ -90,7 +94,7 @@ class FakeRunner:
                 row.token_ids.append(token)
         return ModelRunnerOutput(
             step=out.step, sampled_token_ids=pack_tokens(sampled), prompt_logprobs=prompt_logprobs,
-            verified_token_ids=verified,
+            verified_token_ids=verified, lora_load_errors=lora_load_errors,
         )
 
     def _verify(self, row: Row, num_tokens: int, drafts: list[int]) -> list[int]:

@@ -9,12 +9,12 @@ swapping a cached adapter into a slot is two copies per linear.
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import PreTrainedConfig
 
 from strata.engine_core.protocol import LoRAAdapter, LoRASlotLoad
 from strata.worker.lora import LoRAStep, LoRATarget, SlotWeights
-from strata.worker.lora_files import check_adapter, read_adapter
+from strata.worker.lora_files import AdapterFiles, check_adapter, read_adapter
 
 
 @dataclass
@@ -29,10 +29,17 @@ class LoRASlots:
     max_cached: int
     cached: "OrderedDict[int, list[SlotWeights]]" = field(default_factory=OrderedDict)  # by lora_id, oldest first
 
-    def load(self, loads: list[LoRASlotLoad]) -> None:
-        """Put each adapter into its slot (before the step that uses it runs)."""
+    def load(self, loads: list[LoRASlotLoad]) -> dict[int, str]:
+        """Put each adapter into its slot (before the step that uses it runs). Returns those
+        that could not be read, by ``lora_id``, with the reason: the scheduler fails their
+        requests (whatever their rows compute meanwhile is dropped) and never reuses the load."""
+        errors = {}
         for load in loads:
-            weights = self._weights(load.adapter)
+            try:
+                weights = self._weights(load.adapter)
+            except ValueError as error:
+                errors[load.adapter.lora_id] = f"LoRA adapter {load.adapter.name!r} could not be loaded: {error}"
+                continue
             for target, target_weights in zip(self.targets, weights, strict=True):
                 target.pool.load(load.slot, target_weights)
 
@@ -52,6 +59,12 @@ class LoRASlots:
         does not fit the model or the pool."""
         files = read_adapter(adapter.path)
         check_adapter(files, self.model_config, self.max_rank)
+        try:
+            return self._read_shards(files)
+        except (OSError, SafetensorError) as error:  # the files changed since they were checked
+            raise ValueError(f"{str(files.weights_file)!r} is not readable ({error})") from None
+
+    def _read_shards(self, files: AdapterFiles) -> list[SlotWeights]:
         weights = []
         with safe_open(files.weights_file, framework="pt", device="cpu") as handle:
             for target in self.targets:

@@ -110,10 +110,22 @@ class ModelRunner:
         """Run the step; ``grammar_bitmask`` gives the masks of ``step.structured_rows``, asked
         for only once the logits are computed (the EngineCore fills them meanwhile)."""
         rows, num_scheduled, drafts = self._update_batch(step)
-        if self.lora is not None:
-            self.lora.load(step.lora_loads)
+        lora_load_errors = self.lora.load(step.lora_loads) if self.lora is not None else {}
         if self.offload is not None:
             self.offload.start_transfers(step.kv_connector_metadata)
+        output = self._run(step, rows, num_scheduled, drafts, grammar_bitmask)
+        output.lora_load_errors = lora_load_errors
+        return output
+
+    def _run(
+        self,
+        step: SchedulerOutput,
+        rows: np.ndarray,
+        num_scheduled: np.ndarray,
+        drafts: dict[int, np.ndarray],
+        grammar_bitmask: Callable[[], bytes] | None,
+    ) -> ModelRunnerOutput:
+        """The forward pass of the step's rows, and their sampling on the last stage."""
         if len(rows) == 0:
             if self.offload is not None:
                 # Every request waits for a transfer: wait for one here rather than have the

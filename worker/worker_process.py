@@ -109,9 +109,10 @@ def _run_steps(runner: ModelRunner, steps: zmq.Socket, results: zmq.Socket, enco
         started, waited = time.perf_counter(), _waited_seconds(runner)
         output = runner.execute(message, lambda: grammar_bitmask_of(message))
         output.busy_seconds = time.perf_counter() - started - (_waited_seconds(runner) - waited)
-        if not samples:  # the tokens are one rank's to report; every rank reports its transfers
+        if not samples:  # the tokens are one rank's to report; every rank its transfers and failed loads
             output = ModelRunnerOutput(
-                output.step, rank, kv_connector_output=output.kv_connector_output, busy_seconds=output.busy_seconds
+                output.step, rank, kv_connector_output=output.kv_connector_output, busy_seconds=output.busy_seconds,
+                lora_load_errors=output.lora_load_errors,
             )
         results.send(encoder.encode(output))
 

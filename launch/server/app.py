@@ -93,7 +93,7 @@ def build_app(engine: AsyncEngine, options: AppOptions) -> FastAPI:
     ``/v1`` and ``/tokenize``, ``/detokenize`` beside it need the API key when one is set."""
     app = FastAPI(title="strata", docs_url=None, redoc_url=None, openapi_url=None)
     model_name = options.served_model_name or default_model_name(engine)
-    metrics = ServerMetrics(engine.replica_stats)
+    metrics = ServerMetrics(engine.replica_stats, engine.args.max_loras if engine.args.lora_enabled else 0)
     completions = Completions(engine, model_name, metrics)
     chat = ChatCompletions(engine, model_name, metrics, options.tool_call_parser, options.reasoning_parser)
     responses = Responses(chat)

@@ -3,7 +3,7 @@
 Two sources: the server observes every request it finishes (counts by finish reason, token
 counts, latency histograms), and a collector reads each replica's latest ``SchedulerStats``
 at scrape time (queue sizes, KV-cache usage, prefix-cache hits, preemptions, the CPU offload
-tier), labelled by replica.
+tier, requests by LoRA adapter), labelled by replica.
 """
 
 from collections.abc import Callable, Iterator
@@ -23,7 +23,7 @@ LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0,
 class ServerMetrics:
     """Everything ``/metrics`` shows. ``observe`` is called once per request, when it ends."""
 
-    def __init__(self, replica_stats: Callable[[], dict[int, SchedulerStats]]) -> None:
+    def __init__(self, replica_stats: Callable[[], dict[int, SchedulerStats]], max_loras: int = 0) -> None:
         self.registry = CollectorRegistry()
         self.finished = Counter(
             "strata_requests_finished",
@@ -51,6 +51,8 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )
         self.registry.register(_SchedulerStatsCollector(replica_stats))
+        if max_loras:
+            self.registry.register(_LoRACollector(replica_stats, max_loras))
 
     def observe(self, output: RequestOutput) -> None:
         """Count a request that ended (finished, failed or abandoned); time it only if it completed."""
@@ -145,6 +147,37 @@ class _SchedulerStatsCollector(Collector):
             for position, accepted in enumerate(stats.spec_accepted_by_position):
                 by_position.add_metric([str(replica), str(position)], accepted)
         yield by_position
+
+
+class _LoRACollector(Collector):
+    """Each replica's running and waiting requests by LoRA adapter (``max_loras`` slots): one
+    gauge per adapter with requests, and vLLM's ``lora_requests_info`` shape (the adapters as
+    comma-separated label values) for dashboards built on it."""
+
+    def __init__(self, replica_stats: Callable[[], dict[int, SchedulerStats]], max_loras: int) -> None:
+        self._stats = replica_stats
+        self._max_loras = str(max_loras)
+
+    def collect(self) -> Iterator[Metric]:
+        replicas = sorted(self._stats().items())
+        by_adapter = {
+            state: GaugeMetricFamily(
+                f"strata_lora_requests_{state}", f"Requests {state} with each LoRA adapter.", labels=["replica", "lora_name"]
+            )
+            for state in ("running", "waiting")
+        }
+        info = GaugeMetricFamily(
+            "strata_lora_requests_info", "The LoRA adapters of running and of waiting requests (always 1).",
+            labels=["replica", "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        for replica, stats in replicas:
+            for state, counts in (("running", stats.lora_running), ("waiting", stats.lora_waiting)):
+                for name, count in sorted(counts.items()):
+                    by_adapter[state].add_metric([str(replica), name], count)
+            running, waiting = ",".join(sorted(stats.lora_running)), ",".join(sorted(stats.lora_waiting))
+            info.add_metric([str(replica), running, waiting, self._max_loras], 1)
+        yield from by_adapter.values()
+        yield info
 
 
 def _field(name: str) -> Callable[[SchedulerStats], float]:

@@ -170,8 +170,9 @@ class ZmqExecutor(ABC):
         self._ipc_seconds += ipc_seconds
 
     def collect(self, step: int) -> ModelRunnerOutput:
-        """Every rank's answer to ``step`` (submitted earlier), merged: the sampled tokens and the
-        transfers now finished on all ranks. Answers to later steps that arrive meanwhile are kept."""
+        """Every rank's answer to ``step`` (submitted earlier), merged: the sampled tokens, the
+        transfers now finished on all ranks and the adapters some rank could not load. Answers
+        to later steps that arrive meanwhile are kept."""
         answers = self._answers.setdefault(step, {})
         deadline = time.monotonic() + self.worker_timeout_s
         while len(answers) < self.size:
@@ -187,6 +188,10 @@ class ZmqExecutor(ABC):
             self._stage_busy_seconds[stage] += answers[stage * tp_size].busy_seconds
         first = answers[self._last_stage.start]
         first.kv_connector_output = self._transfers.merge(o.kv_connector_output for o in answers.values())
+        # An adapter any rank could not load is failed: its slot is not whole on that rank.
+        first.lora_load_errors = {
+            lora_id: why for answer in answers.values() for lora_id, why in answer.lora_load_errors.items()
+        }
         return first
 
     def _receive(self, deadline: float, waiting_for: set[int], what: str) -> WorkerMessage:

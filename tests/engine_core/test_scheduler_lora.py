@@ -139,3 +139,36 @@ def test_two_adapters_share_no_prefix_blocks_and_one_adapter_shares_its_own(make
         scheduler.add_request(make_request(prompt=prompt, max_tokens=3, lora=adapter))
         assert scheduler.schedule().new_requests[0].num_computed_tokens == expected_hit, adapter
         run_to_completion(scheduler, runner)
+
+
+def test_stats_count_running_and_waiting_requests_by_adapter(make_request):
+    scheduler, runner = make_scheduler(max_loras=1), FakeRunner(16)
+    for adapter in (A, A, B, None):
+        scheduler.add_request(make_request(20, lora=adapter, max_tokens=3))
+    _, outputs = step(scheduler, runner, {}, {})
+    assert outputs.stats.lora_running == {"a": 2} and outputs.stats.lora_waiting == {"b": 1}
+    run_to_completion(scheduler, runner)
+    assert scheduler.stats().lora_running == {} and scheduler.stats().lora_waiting == {}
+
+
+def test_stats_leave_adapters_out_when_lora_is_off(make_request):
+    scheduler, runner = make_scheduler(max_loras=0), FakeRunner(16)
+    scheduler.add_request(make_request(20, max_tokens=3))
+    _, outputs = step(scheduler, runner, {}, {})
+    assert outputs.stats.lora_running == {} and outputs.stats.lora_waiting == {}
+
+
+def test_an_adapter_the_workers_cannot_load_fails_its_requests_and_later_ones(make_request):
+    scheduler, runner = make_scheduler(max_loras=1), FakeRunner(16)
+    runner.unloadable_loras.add(A.lora_id)
+    for request_id, adapter in [("a-running", A), ("base", None), ("b", B), ("a-waiting", A)]:
+        scheduler.add_request(make_request(20, lora=adapter, max_tokens=3, request_id=request_id))
+    results = run_to_completion(scheduler, runner)
+    for request_id in ("a-running", "a-waiting"):
+        assert results[request_id].finish_reason == "error" and results[request_id].token_ids == []
+        assert "LoRA adapter 'a' could not be loaded" in results[request_id].message
+    assert results["base"].finish_reason == results["b"].finish_reason == "length"
+    scheduler.add_request(make_request(20, lora=A, request_id="a-later"))
+    [refused] = scheduler.take_finished()
+    assert refused.finish_reason == "error" and "could not be loaded" in refused.message
+    assert scheduler.lora_slots.adapters == [B]

@@ -16,7 +16,7 @@ class Replicas:
     """The part of ``AsyncEngine`` that ``/health`` and ``/metrics`` read."""
 
     def __init__(self) -> None:
-        self.args = SimpleNamespace(model="/models/tiny")
+        self.args = SimpleNamespace(model="/models/tiny", lora_enabled=False, max_loras=1)
         self.max_model_len = 128
         self.states = {0: "ok", 1: "ok"}
         self.stats = {
