@@ -42,6 +42,7 @@ class LoRASlots:
                 continue
             for target, target_weights in zip(self.targets, weights, strict=True):
                 target.pool.load(load.slot, target_weights)
+        return errors
 
     def _weights(self, adapter: LoRAAdapter) -> list[SlotWeights]:
         """The adapter laid out for each target: from the cache, else read (evicting the least

@@ -2,6 +2,7 @@
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -23,3 +24,20 @@ def client(server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="session")
+def lora_models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """A tiny random Llama with a tokenizer (``root / "base"``) and PEFT adapters of it beside
+    it: ``sql`` (rank 8), ``chat`` and ``poem`` (rank 4), ``too-big`` (rank 16)."""
+    # Imported here: torch and peft are for the LoRA tests only.
+    from model_factory import save_tiny_lora, save_tiny_model, tiny_llama_config
+    from tiny_tokenizer import save_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("lora-serve")
+    base = save_tiny_model(tiny_llama_config(), root / "base")
+    save_tiny_tokenizer(root / "base", adds_bos=True)
+    modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for name, rank, seed in [("sql", 8, 1), ("chat", 4, 2), ("too-big", 16, 3), ("poem", 4, 4)]:
+        save_tiny_lora(base, root / name, modules, rank=rank, seed=seed)
+    return SimpleNamespace(root=root)

@@ -12,12 +12,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -119,6 +121,45 @@ class ServerProcess:
                 self._tree.setdefault(process.pid, process)
         except psutil.NoSuchProcess:
             pass
+
+
+class BackgroundStream:
+    """A greedy streamed completion read on a thread of its own through the official client:
+    its tokens and their logprobs as they arrive, its finish reason, or the error that ended it.
+    ``started`` is set at its first chunk (or its end)."""
+
+    def __init__(self, client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> None:
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.error: Exception | None = None
+        self.started = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(client, model, prompt, max_tokens), daemon=True)
+        self._thread.start()
+
+    def _read(self, client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> None:
+        try:
+            stream = client.completions.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for chunk in stream:
+                for choice in chunk.choices:
+                    if choice.logprobs is not None:
+                        self.tokens += choice.logprobs.tokens
+                        self.token_logprobs += choice.logprobs.token_logprobs
+                    self.finish_reason = choice.finish_reason or self.finish_reason
+                self.started.set()
+        except Exception as error:  # the test asserts on it
+            self.error = error
+        finally:
+            self.started.set()
+
+    def wait(self, timeout: float = 300) -> "BackgroundStream":
+        """This stream, once it ended."""
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"a stream still running after {timeout} s"
+        return self
 
 
 def scrape(url: str) -> dict[str, float]:
