@@ -150,13 +150,11 @@ def add_lora(
     num_slots: int,
     max_rank: int,
 ) -> torch.Tensor:
-    """``y`` ``[T, out_features]`` plus, in place, each of ``tokens``' delta from its slot's
+    """``y`` ``[T, out_features]`` plus, in place, each of ``tokens``' (at least one) delta from its slot's
     adapter (see the module's layout); ``part_rows`` the parts' output columns and
     ``part_starts`` ``[P + 1]`` the same as int32 offsets on the device (the parts' first
     columns, then ``out_features``). Returns ``y``."""
     n = tokens.count
-    if n == 0:
-        return y
     num_parts = len(part_rows)
     x = x.contiguous()
     assert y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
