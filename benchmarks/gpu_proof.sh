@@ -35,6 +35,9 @@ tqdm tqdm
 psutil psutil
 httpx httpx
 pytest pytest
+peft peft
+accelerate accelerate
+yaml pyyaml
 msgspec msgspec
 zmq pyzmq
 llguidance llguidance
@@ -127,6 +130,10 @@ install_strata() {
 report_skipped_parts() {
     local module
     is_missing ray && say "skipped: Ray (the proof never runs --executor ray)"
+    # peft imports accelerate and yaml; the LoRA GPU test's reference merges adapters with it.
+    if is_missing peft || is_missing accelerate || is_missing yaml; then
+        say "skipped: the LoRA GPU test (needs peft, accelerate and yaml)"
+    fi
     for module in $SERVER_MODULES; do
         is_missing "$module" && say "skipped: bench serve (needs $module)"
     done

@@ -1,5 +1,6 @@
 """LoRA adapters inside the linears: each adaptable linear holds a pool of adapter slots and
-adds, per token, the delta of the adapter in that token's slot (``kernels/lora.py``).
+adds, per token, the delta of the adapter in that token's slot: ``kernels/lora.py`` on the CPU,
+``kernels/triton_lora.py`` on CUDA devices.
 
 Every pool of a model reads one ``LoRAStep``: the step's token -> slot layout, which the model
 runner sets before each forward. A step without adapter rows leaves it empty and the pools do
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from strata.kernels.lora import add_lora, slot_mask
+from strata.kernels import lora, triton_lora
 from strata.worker.input_batch import to_device
 from strata.worker.llama import OtherStageLayer
 from strata.worker.tp_layers import ColumnParallelLinear, RowParallelLinear
@@ -34,32 +35,38 @@ LORA_LINEARS = {
 
 @dataclass
 class LoRAStep:
-    """The current step's token -> slot layout, shared by every pool of a model: ``mask``
-    (``kernels.lora.slot_mask``) while the step has adapter rows, else None."""
+    """The current step's token -> slot layout, shared by every pool of a model, while the step
+    has adapter rows: on CUDA devices its adapter tokens sorted by slot
+    (``triton_lora.SortedTokens``), elsewhere the slot ``mask`` (``kernels.lora.slot_mask``)."""
 
     num_slots: int
     max_rank: int
     dtype: torch.dtype
     device: torch.device
     mask: torch.Tensor | None = None
+    tokens: triton_lora.SortedTokens | None = None
 
     def begin(self, token_slots: np.ndarray) -> None:
         """Set the layout of a step whose tokens use ``token_slots`` (-1: the base model)."""
+        self.mask = self.tokens = None
         if (token_slots < 0).all():
-            self.mask = None
             return
-        self.mask = slot_mask(to_device(token_slots, self.device), self.num_slots, self.max_rank, self.dtype)
+        if self.device.type == "cuda":
+            self.tokens = triton_lora.sort_tokens(token_slots, self.device)
+        else:
+            self.mask = lora.slot_mask(to_device(token_slots, self.device), self.num_slots, self.max_rank, self.dtype)
 
     @property
     def active(self) -> bool:
-        return self.mask is not None
+        return self.mask is not None or self.tokens is not None
 
 
 @dataclass(frozen=True)
 class SlotWeights:
     """One adapter's weights for one linear, laid out as a slot of its pool holds them: ``a``
-    ``[in_features, parts, max_rank]``, ``b`` ``[parts, max_rank, out_features]`` (zero-padded
-    beyond the adapter's rank, the scale folded into ``b``, zero for parts it does not target)."""
+    ``[in_features, parts, max_rank]``, ``b`` ``[max_rank, out_features]`` (each part's B in its
+    own output columns; zero-padded beyond the adapter's rank, the scale folded into ``b``, zero
+    for parts it does not target)."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -69,7 +76,8 @@ class SlotWeights:
 class LoRAPool:
     """One linear's adapter slots (the ``kernels/lora.py`` layout). ``part_rows`` are this
     rank's output rows of each part, ``b_rows`` where they lie in the part's full B, ``a_columns``
-    this rank's input features of A (all of them for a column-parallel linear)."""
+    this rank's input features of A (all of them for a column-parallel linear); ``part_starts``
+    the parts' first output columns and the width, on the device for the Triton kernels."""
 
     step: LoRAStep
     part_rows: list[int]
@@ -77,30 +85,40 @@ class LoRAPool:
     a_columns: slice
     a: torch.Tensor = field(init=False)
     b: torch.Tensor = field(init=False)
+    part_starts: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        width = len(self.part_rows) * self.step.num_slots * self.step.max_rank
+        step = self.step
+        slot_rows = step.num_slots * step.max_rank
         in_features = self.a_columns.stop - self.a_columns.start
-        self.a = torch.zeros(in_features, width, dtype=self.step.dtype, device=self.step.device)
-        self.b = torch.zeros(width, sum(self.part_rows), dtype=self.step.dtype, device=self.step.device)
+        self.a = torch.zeros(in_features, len(self.part_rows) * slot_rows, dtype=step.dtype, device=step.device)
+        self.b = torch.zeros(slot_rows, sum(self.part_rows), dtype=step.dtype, device=step.device)
+        starts = np.cumsum([0, *self.part_rows], dtype=np.int32)
+        self.part_starts = torch.from_numpy(starts).to(step.device)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the linear's output for ``x``) plus each token's adapter delta."""
-        mask = self.step.mask
-        return y if mask is None else add_lora(y, x, self.a, self.b, mask, self.part_rows)
+        step = self.step
+        if step.tokens is not None:
+            return triton_lora.add_lora(
+                y, x, self.a, self.b, self.part_rows, self.part_starts, step.tokens, step.num_slots, step.max_rank
+            )
+        if step.mask is not None:
+            return lora.add_lora(y, x, self.a, self.b, step.mask, self.part_rows)
+        return y
 
     def slot_weights(self, parts: list[tuple[torch.Tensor, torch.Tensor] | None], scale: float) -> SlotWeights:
         """Lay out one adapter's ``(A, B)`` shards of each part (None: not targeted) for a slot."""
         num_parts, max_rank = len(self.part_rows), self.step.max_rank
         a = torch.zeros(self.a.shape[0], num_parts, max_rank, dtype=self.a.dtype)
-        b = torch.zeros(num_parts, max_rank, self.b.shape[1], dtype=self.b.dtype)
+        b = torch.zeros(max_rank, self.b.shape[1], dtype=self.b.dtype)
         offset = 0
         for part, (rows, pair) in enumerate(zip(self.part_rows, parts)):
             if pair is not None:
                 part_a, part_b = pair
                 rank = part_a.shape[0]
                 a[:, part, :rank] = part_a.T
-                b[part, :rank, offset : offset + rows] = (part_b.float() * scale).T
+                b[:rank, offset : offset + rows] = (part_b.float() * scale).T
             offset += rows
         return SlotWeights(a, b)
 
@@ -108,7 +126,7 @@ class LoRAPool:
         """Put an adapter into ``slot``: two copies."""
         num_parts, num_slots, max_rank = len(self.part_rows), self.step.num_slots, self.step.max_rank
         self.a.view(-1, num_parts, num_slots, max_rank)[:, :, slot].copy_(weights.a, non_blocking=True)
-        self.b.view(num_parts, num_slots, max_rank, -1)[:, slot].copy_(weights.b, non_blocking=True)
+        self.b.view(num_slots, max_rank, -1)[slot].copy_(weights.b, non_blocking=True)
 
 
 @dataclass(frozen=True)

@@ -43,3 +43,11 @@ def test_a_step_without_adapter_rows_leaves_the_output_alone():
     y = torch.randn(2, sum(PART_ROWS))
     assert not step.active
     assert pool.apply(torch.randn(2, IN_FEATURES), y) is y
+
+
+def test_a_merged_linears_b_holds_each_parts_columns_once():
+    # Compact B: no zeros beside each part's block, so qkv's B is no larger than o's would be.
+    step = LoRAStep(NUM_SLOTS, MAX_RANK, torch.float32, torch.device("cpu"))
+    pool = LoRAPool(step, PART_ROWS, [slice(0, rows) for rows in PART_ROWS], slice(0, IN_FEATURES))
+    assert pool.b.shape == (NUM_SLOTS * MAX_RANK, sum(PART_ROWS))
+    assert pool.a.shape == (IN_FEATURES, len(PART_ROWS) * NUM_SLOTS * MAX_RANK)
