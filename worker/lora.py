@@ -1,6 +1,7 @@
 """LoRA adapters inside the linears: each adaptable linear holds a pool of adapter slots and
-adds, per token, the delta of the adapter in that token's slot: ``kernels/lora.py`` on the CPU,
-``kernels/triton_lora.py`` on CUDA devices.
+adds, per token, the delta of the adapter in that token's slot: ``kernels/cpu_lora.py`` (C) on
+the CPU, ``kernels/triton_lora.py`` on CUDA devices, ``kernels/lora.py`` (torch) where the C
+kernels did not build.
 
 Every pool of a model reads one ``LoRAStep``: the step's token -> slot layout, which the model
 runner sets before each forward. A step without adapter rows leaves it empty and the pools do
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from strata.kernels import lora, triton_lora
+from strata.kernels import cpu_lora, lora, triton_lora
 from strata.worker.input_batch import to_device
 from strata.worker.llama import OtherStageLayer
 from strata.worker.tp_layers import ColumnParallelLinear, RowParallelLinear
@@ -37,7 +38,8 @@ LORA_LINEARS = {
 class LoRAStep:
     """The current step's token -> slot layout, shared by every pool of a model, while the step
     has adapter rows: on CUDA devices its adapter tokens sorted by slot
-    (``triton_lora.SortedTokens``), elsewhere the slot ``mask`` (``kernels.lora.slot_mask``)."""
+    (``triton_lora.SortedTokens``), on the CPU each token's slot (``token_slots``, for the C
+    kernel), or where that did not build the slot ``mask`` (``kernels.lora.slot_mask``)."""
 
     num_slots: int
     max_rank: int
@@ -45,20 +47,27 @@ class LoRAStep:
     device: torch.device
     mask: torch.Tensor | None = None
     tokens: triton_lora.SortedTokens | None = None
+    token_slots: torch.Tensor | None = None
+
+    @property
+    def runs_c_kernel(self) -> bool:
+        return self.device.type == "cpu" and cpu_lora.supported()
 
     def begin(self, token_slots: np.ndarray) -> None:
         """Set the layout of a step whose tokens use ``token_slots`` (-1: the base model)."""
-        self.mask = self.tokens = None
+        self.mask = self.tokens = self.token_slots = None
         if (token_slots < 0).all():
             return
         if self.device.type == "cuda":
             self.tokens = triton_lora.sort_tokens(token_slots, self.device)
+        elif self.runs_c_kernel:
+            self.token_slots = torch.from_numpy(token_slots.astype(np.int64, copy=False))
         else:
             self.mask = lora.slot_mask(to_device(token_slots, self.device), self.num_slots, self.max_rank, self.dtype)
 
     @property
     def active(self) -> bool:
-        return self.mask is not None or self.tokens is not None
+        return self.mask is not None or self.tokens is not None or self.token_slots is not None
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,7 @@ class LoRAPool:
     a: torch.Tensor = field(init=False)
     b: torch.Tensor = field(init=False)
     part_starts: torch.Tensor = field(init=False)
+    c_pool: cpu_lora.LoraPoolStruct | None = field(init=False)  # the C kernel's view of a and b
 
     def __post_init__(self) -> None:
         step = self.step
@@ -95,6 +105,9 @@ class LoRAPool:
         self.b = torch.zeros(slot_rows, sum(self.part_rows), dtype=step.dtype, device=step.device)
         starts = np.cumsum([0, *self.part_rows], dtype=np.int32)
         self.part_starts = torch.from_numpy(starts).to(step.device)
+        self.c_pool = None
+        if step.runs_c_kernel:
+            self.c_pool = cpu_lora.pool_struct(self.a, self.b, self.part_rows, step.num_slots, step.max_rank)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the linear's output for ``x``) plus each token's adapter delta."""
@@ -103,6 +116,9 @@ class LoRAPool:
             return triton_lora.add_lora(
                 y, x, self.a, self.b, self.part_rows, self.part_starts, step.tokens, step.num_slots, step.max_rank
             )
+        if step.token_slots is not None:
+            assert self.c_pool is not None
+            return cpu_lora.add_lora(y, x.contiguous(), self.c_pool, step.token_slots)
         if step.mask is not None:
             return lora.add_lora(y, x, self.a, self.b, step.mask, self.part_rows)
         return y

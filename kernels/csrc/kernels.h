@@ -46,3 +46,15 @@ int gguf_linear_body(void);
 int gguf_interleave(const uint8_t *data, int type, int64_t rows, int64_t cols, uint8_t *out);
 int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, void *out, int out_dtype,
                     int num_threads);
+/* One linear's LoRA slots in kernels/lora.py's layout: a [in_features][parts][slots][max_rank],
+ * b [slots][max_rank][sum of rows] (each part's B in its own columns, the scale folded in), both
+ * in `dtype`; rows[p] is part p's output columns. */
+struct LoraPool {
+    int32_t parts, slots, max_rank, dtype;
+    int64_t in_features;
+    int64_t rows[3];
+    const void *a;
+    const void *b;
+};
+int lora_add(const struct LoraPool *pool, const void *x, int x_dtype, int64_t tokens, const int64_t *token_slots,
+             void *y, int y_dtype, int num_threads);

@@ -1,10 +1,11 @@
-"""The LoRA delta kernel (``kernels/lora.py``) against its per-slot torch reference."""
+"""The CPU's LoRA delta kernels (``kernels/cpu_lora.py`` in C, ``kernels/lora.py`` in torch where
+C did not build) against their per-slot torch reference."""
 
 import numpy as np
+import pytest
 import torch
 
-from strata.kernels import reference
-from strata.kernels.lora import add_lora
+from strata.kernels import cpu_lora, reference
 from strata.worker.lora import LoRAPool, LoRAStep
 
 NUM_SLOTS, MAX_RANK, IN_FEATURES, PART_ROWS = 3, 8, 24, [16, 8, 8]
@@ -18,8 +19,19 @@ def random_adapter(rank: int, targeted: list[bool], seed: int) -> list[tuple[tor
     ]
 
 
-def test_each_token_gets_the_delta_of_its_slots_adapter_and_base_tokens_none():
-    step = LoRAStep(NUM_SLOTS, MAX_RANK, torch.float32, torch.device("cpu"))
+@pytest.fixture(params=["C", "torch"])
+def kernel(request, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each CPU path: the C kernel (where it builds), then the torch GEMMs."""
+    if request.param == "C" and not cpu_lora.supported():
+        pytest.skip("no C compiler to build the CPU kernels")
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_lora, "supported", lambda: False)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_token_gets_the_delta_of_its_slots_adapter_and_base_tokens_none(kernel: str, dtype: torch.dtype):
+    step = LoRAStep(NUM_SLOTS, MAX_RANK, dtype, torch.device("cpu"))
     pool = LoRAPool(step, PART_ROWS, [slice(0, rows) for rows in PART_ROWS], slice(0, IN_FEATURES))
     # Slot 0: full rank, every part; slot 2: rank 3 (padded), the middle part untouched; slot 1 empty.
     adapters = {0: random_adapter(MAX_RANK, [True, True, True], seed=1), 2: random_adapter(3, [True, False, True], seed=2)}
@@ -27,15 +39,16 @@ def test_each_token_gets_the_delta_of_its_slots_adapter_and_base_tokens_none():
     for slot, parts in adapters.items():
         pool.load(slot, pool.slot_weights(parts, scales[slot]))
     token_slots = np.array([2, -1, 0, 0, 2, -1, 2])
-    x = torch.randn(len(token_slots), IN_FEATURES)
-    base = torch.randn(len(token_slots), sum(PART_ROWS))
+    x = torch.randn(len(token_slots), IN_FEATURES).to(dtype)
+    base = torch.randn(len(token_slots), sum(PART_ROWS)).to(dtype)
     step.begin(token_slots)
-    got = add_lora(base.clone(), x, pool.a, pool.b, step.mask, PART_ROWS)
-    expected = base + reference.lora_delta(x, torch.from_numpy(token_slots), adapters, scales, PART_ROWS)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    got = pool.apply(x, base.clone())
+    expected = base.float() + reference.lora_delta(x, torch.from_numpy(token_slots), adapters, scales, PART_ROWS)
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.1)
+    torch.testing.assert_close(got.float(), expected, **tolerance)
 
 
-def test_a_step_without_adapter_rows_leaves_the_output_alone():
+def test_a_step_without_adapter_rows_leaves_the_output_alone(kernel: str):
     step = LoRAStep(NUM_SLOTS, MAX_RANK, torch.float32, torch.device("cpu"))
     pool = LoRAPool(step, PART_ROWS, [slice(0, rows) for rows in PART_ROWS], slice(0, IN_FEATURES))
     pool.load(0, pool.slot_weights(random_adapter(MAX_RANK, [True] * 3, seed=1), 1.0))
