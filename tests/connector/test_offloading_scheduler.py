@@ -51,23 +51,26 @@ def test_resent_prompt_loads_its_prefix_from_cpu_after_the_gpu_evicted_it():
     engine.assert_idle()
 
 
+def blocks_loaded_for(engine, request_id: str, **request_fields: object) -> int:
+    """Run PROMPT as a request with ``request_fields`` set, then evict it from the GPU cache: the
+    blocks the CPU tier loaded for it."""
+    request = make_request(request_id, PROMPT)
+    for name, value in request_fields.items():
+        setattr(request, name, value)
+    loaded = engine.connector.stats.blocks_loaded
+    engine.add(request)
+    engine.run()
+    loaded = engine.connector.stats.blocks_loaded - loaded
+    evict_from_gpu(engine)
+    return loaded
+
+
 def test_cpu_tier_serves_a_prefix_only_to_requests_with_the_same_cache_salt():
     engine = make_engine(num_gpu_blocks=12, num_cpu_blocks=64)
-
-    def blocks_loaded_for(request_id: str, salt: str | None) -> int:
-        request = make_request(request_id, PROMPT)
-        request.cache_salt = salt
-        loaded = engine.connector.stats.blocks_loaded
-        engine.add(request)
-        engine.run()
-        loaded = engine.connector.stats.blocks_loaded - loaded
-        evict_from_gpu(engine)
-        return loaded
-
-    assert blocks_loaded_for("first", "tenant-a") == 0
-    assert blocks_loaded_for("other-tenant", "tenant-b") == 0
-    assert blocks_loaded_for("unsalted", None) == 0
-    assert blocks_loaded_for("same-tenant", "tenant-a") == 4
+    assert blocks_loaded_for(engine, "first", cache_salt="tenant-a") == 0
+    assert blocks_loaded_for(engine, "other-tenant", cache_salt="tenant-b") == 0
+    assert blocks_loaded_for(engine, "unsalted", cache_salt=None) == 0
+    assert blocks_loaded_for(engine, "same-tenant", cache_salt="tenant-a") == 4
     assert engine.results["same-tenant"].token_ids == expected_output(PROMPT, 2)
     engine.assert_idle()
 
@@ -75,21 +78,10 @@ def test_cpu_tier_serves_a_prefix_only_to_requests_with_the_same_cache_salt():
 def test_cpu_tier_serves_a_prefix_only_to_requests_with_the_same_adapter():
     engine = make_engine(num_gpu_blocks=12, num_cpu_blocks=64, max_loras=2)
     adapter_a, adapter_b = LoRAAdapter("a", 1, "/a"), LoRAAdapter("b", 2, "/b")
-
-    def blocks_loaded_for(request_id: str, lora: LoRAAdapter | None) -> int:
-        request = make_request(request_id, PROMPT)
-        request.lora = lora
-        loaded = engine.connector.stats.blocks_loaded
-        engine.add(request)
-        engine.run()
-        loaded = engine.connector.stats.blocks_loaded - loaded
-        evict_from_gpu(engine)
-        return loaded
-
-    assert blocks_loaded_for("first", adapter_a) == 0
-    assert blocks_loaded_for("other-adapter", adapter_b) == 0
-    assert blocks_loaded_for("base", None) == 0
-    assert blocks_loaded_for("same-adapter", adapter_a) == 4
+    assert blocks_loaded_for(engine, "first", lora=adapter_a) == 0
+    assert blocks_loaded_for(engine, "other-adapter", lora=adapter_b) == 0
+    assert blocks_loaded_for(engine, "base", lora=None) == 0
+    assert blocks_loaded_for(engine, "same-adapter", lora=adapter_a) == 4
     engine.assert_idle()
 
 
