@@ -198,6 +198,7 @@ def _decode_inputs(batch: int, context: int, vocab_size: int, generator: torch.G
         query_start_loc=np.arange(batch + 1),
         seq_lens=np.full(batch, context, dtype=np.int64),
         block_tables=tables,
+        lora_slots=np.full(batch, -1, dtype=np.int64),
     )
 
 
