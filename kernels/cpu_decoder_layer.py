@@ -139,6 +139,41 @@ def mlp_block(layer: MlpLayer, step: Step, hidden: torch.Tensor, residual: torch
     return out
 
 
+@dataclass
+class Stack:
+    """Every layer's halves of a stage, as the C arrays ``decoder_stack`` walks."""
+
+    attention: ctypes.Array
+    mlp: ctypes.Array
+
+    @classmethod
+    def of(cls, attention: list[AttentionLayer], mlp: list[MlpLayer]) -> "Stack":
+        return cls((AttentionLayer * len(attention))(*attention), (MlpLayer * len(mlp))(*mlp))
+
+
+def kv_caches(caches: list[torch.Tensor]) -> ctypes.Array:
+    """The C views of the layers' caches (``kv_cache``), as one array."""
+    return (KvCache * len(caches))(*map(kv_cache, caches))
+
+
+def decoder_stack(
+    stack: Stack, step: Step, caches: ctypes.Array, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every layer of ``stack`` on one rank in one call: the last layer's output and the residual
+    it has not been added to (``residual``, or ``hidden`` when None, updated in place), as a loop
+    of ``attention_block`` and ``mlp_block`` would give them; None, having changed nothing, when
+    the attention kernel does not take the caches' block size."""
+    out = torch.empty_like(hidden)
+    status = native.load_library().decoder_stack(
+        stack.attention, stack.mlp, caches, len(stack.attention), ctypes.byref(step.struct), hidden.data_ptr(),
+        None if residual is None else residual.data_ptr(), out.data_ptr(),
+    )
+    if status == _UNSUPPORTED_SHAPE:
+        return None
+    _raise_for(status)
+    return out, hidden if residual is None else residual
+
+
 def _raise_for(status: int) -> None:
     if status == _SLOT_OUTSIDE_CACHE:
         raise IndexError("slot_mapping points outside the KV cache")

@@ -48,6 +48,7 @@ _SIGNATURES = {
     # Pointers to the structs of kernels/cpu_decoder_layer.py, then the activations.
     "attention_block": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr], _i32),
     "mlp_block": ([_ptr, _ptr, _ptr, _ptr, _ptr], _i32),
+    "decoder_stack": ([_ptr, _ptr, _ptr, _i32, _ptr, _ptr, _ptr, _ptr], _i32),
     # A pointer to kernels/gguf_linear.py's QuantizedMatrix struct, then as small_batch_linear.
     "quantized_linear": ([_ptr, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i32, _i32], _i32),
     "gguf_linear_supports": ([_i32, _i64], _i32),

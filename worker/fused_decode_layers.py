@@ -5,7 +5,10 @@ gate_up, SwiGLU and down in the other; the tensor-parallel all-reduce after each
 ``fuse_cpu_decode_layers`` gives each layer whose modules those calls reproduce exactly its
 ``FusedDecoderLayer``. The layer runs it in the steps the model has a ``cpu_decoder_layer.Step``
 for (``LlamaModel.fused_step``: at most the plan's ``stream_rows``, see
-``worker/cpu_linear_plan.py``) and its modules in the others.
+``worker/cpu_linear_plan.py``) and its modules in the others. A rank alone in its
+tensor-parallel group, all of whose layers are fused, runs them all in one call instead
+(``FusedDecoderStack``): no all-reduce separates the halves, so no Python needs to run between
+them either.
 """
 
 import ctypes
@@ -16,7 +19,7 @@ import torch
 from torch import nn
 
 from strata.kernels import cpu_decoder_layer, cpu_linear
-from strata.worker.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from strata.worker.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.tp_layers import ColumnParallelLinear, RowParallelLinear
 
@@ -49,15 +52,48 @@ class FusedDecoderLayer:
         return self.tp.all_reduce(out), residual
 
 
+@dataclass
+class FusedDecoderStack:
+    """A stage's fused layers, all run by one C call (``cpu_decoder_layer.decoder_stack``) on a
+    rank alone in its tensor-parallel group."""
+
+    layers: list[FusedDecoderLayer]  # what the stack's structs point into, kept alive
+    stack: cpu_decoder_layer.Stack
+    _caches: tuple[list[torch.Tensor], ctypes.Array] | None = None
+
+    @classmethod
+    def of(cls, layers: list[FusedDecoderLayer]) -> "FusedDecoderStack":
+        return cls(layers, cpu_decoder_layer.Stack.of([l.attention for l in layers], [l.mlp for l in layers]))
+
+    def forward(
+        self, step: cpu_decoder_layer.Step, kv_caches: list[torch.Tensor], hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The last layer's output and residual, as the layers one by one give them; None
+        (nothing changed) where the attention kernel does not take the cache's block size."""
+        if self._caches is None or self._caches[0] is not kv_caches:  # the runner's one list of caches
+            self._caches = (kv_caches, cpu_decoder_layer.kv_caches(kv_caches))
+        return cpu_decoder_layer.decoder_stack(self.stack, step, self._caches[1], hidden, residual)
+
+
 def fuse_cpu_decode_layers(model: nn.Module, max_rows: int) -> None:
     """Let the decoder layers that can run steps of up to ``max_rows`` rows as fused C calls do
-    so; log how many did."""
-    layers = [module for module in model.modules() if isinstance(module, LlamaDecoderLayer)]
-    for layer in layers:
-        layer.fused = fused_decoder_layer(layer, max_rows)
-    fused = sum(layer.fused is not None for layer in layers)
-    if fused:
-        logger.info("%d of %d decoder layers run steps of <= %d rows as fused C calls", fused, len(layers), max_rows)
+    so, and a decoder whose every layer can, on a rank alone in its group, run them as one call;
+    log how many did."""
+    for decoder in model.modules():
+        if not isinstance(decoder, LlamaModel):
+            continue
+        layers = [layer for layer in decoder.layers if isinstance(layer, LlamaDecoderLayer)]
+        for layer in layers:
+            layer.fused = fused_decoder_layer(layer, max_rows)
+        fused = [layer.fused for layer in layers if layer.fused is not None]
+        one_call = fused and len(fused) == len(layers) and fused[0].tp.size == 1
+        decoder.fused_stack = FusedDecoderStack.of(fused) if one_call else None
+        if fused:
+            logger.info(
+                "%d of %d decoder layers run steps of <= %d rows as fused C calls%s", len(fused), len(layers),
+                max_rows, " (all in one)" if decoder.fused_stack is not None else "",
+            )
 
 
 def fused_decoder_layer(layer: LlamaDecoderLayer, max_rows: int) -> FusedDecoderLayer | None:

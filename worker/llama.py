@@ -36,7 +36,7 @@ from strata.worker.tp_layers import (
 )
 
 if TYPE_CHECKING:  # only for the annotations: both modules import this one
-    from strata.worker.fused_decode_layers import FusedDecoderLayer
+    from strata.worker.fused_decode_layers import FusedDecoderLayer, FusedDecoderStack
     from strata.worker.lora import LoRAStep
 
 # The checkpoint matrices a merged layer holds, in part order.
@@ -207,6 +207,7 @@ class LlamaModel(nn.Module):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, self.layers[self.stage_layers.start].self_attn.head_dim)
         self.lora_step: "LoRAStep | None" = None  # set by lora.attach_lora_pools
+        self.fused_stack: "FusedDecoderStack | None" = None  # set by fused_decode_layers.fuse_cpu_decode_layers
 
     def forward(
         self,
@@ -224,9 +225,15 @@ class LlamaModel(nn.Module):
             hidden, residual = stage_input[0], stage_input[1]
         cos, sin = self.rotary_emb(positions)
         fused_step = self.fused_step(hidden, cos, sin, meta)
-        stage_layers = self.layers[self.stage_layers.start : self.stage_layers.stop]
-        for layer, kv_cache in zip(stage_layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, fused_step)
+        stacked = None
+        if fused_step is not None and self.fused_stack is not None:
+            stacked = self.fused_stack.forward(fused_step, kv_caches, hidden, residual)
+        if stacked is not None:
+            hidden, residual = stacked
+        else:
+            stage_layers = self.layers[self.stage_layers.start : self.stage_layers.stop]
+            for layer, kv_cache in zip(stage_layers, kv_caches, strict=True):
+                hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, fused_step)
         if not self.stage.is_last:
             return torch.stack((hidden, residual))
         return self.norm(hidden, residual)[0]

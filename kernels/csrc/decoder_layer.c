@@ -147,3 +147,29 @@ int mlp_block(const struct MlpLayer *layer, const struct DecodeStep *step, const
     free(activated);
     return status;
 }
+
+/* Every layer of a stage held by one rank (no all-reduce between the halves): layer i's
+ * attention_block then its mlp_block, for `layers` layers, the Python between the layers gone
+ * too. `hidden` and `residual` (NULL: hidden is the residual, as in attention_block) as for the
+ * first layer; the last layer's output goes to `out`, the running residual sum into `residual`,
+ * or into `hidden` when it was NULL. Returns as attention_block, FUSED_UNSUPPORTED_SHAPE before
+ * touching anything. */
+int decoder_stack(const struct AttentionLayer *attention, const struct MlpLayer *mlp, const struct KvCache *caches,
+                  int32_t layers, const struct DecodeStep *step, void *hidden, void *residual, void *out)
+{
+    for (int i = 0; i < layers; i++)
+        if (!paged_attention_supports(attention[i].heads, attention[i].kv_heads, attention[i].head_dim,
+                                      caches[i].block_size))
+            return FUSED_UNSUPPORTED_SHAPE;
+    char *attended = malloc(step->rows * attention[0].hidden * dtype_size(step->dtype));
+    int status = attended ? FUSED_OK : FUSED_NO_MEMORY;
+    const void *x = hidden;
+    for (int i = 0; i < layers && status == FUSED_OK; i++) {
+        status = attention_block(&attention[i], step, &caches[i], x, residual, attended);
+        if (!residual) residual = hidden;
+        if (status == FUSED_OK) status = mlp_block(&mlp[i], step, attended, residual, out);
+        x = out;
+    }
+    free(attended);
+    return status;
+}

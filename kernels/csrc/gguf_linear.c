@@ -375,19 +375,11 @@ static inline __attribute__((always_inline)) void output_features(
     }
 }
 
-static void interleaved_part(
-    int type, const uint8_t *weight, int64_t out_features, int64_t in_features, const struct QuantizedRun *x,
-    int64_t rows, const float *bias, char *out, int64_t out_stride, int out_dtype, int num_threads);
-
 /* One part: out[m, n] for n < out_features, out rows `out_stride` values apart. */
 static void linear_part(
     int type, const uint8_t *weight, int64_t out_features, int64_t in_features, const struct QuantizedRun *x,
     int64_t rows, const float *bias, char *out, int64_t out_stride, int out_dtype, int num_threads)
 {
-    if (type & INTERLEAVED) {
-        interleaved_part(type, weight, out_features, in_features, x, rows, bias, out, out_stride, out_dtype, num_threads);
-        return;
-    }
     const int64_t blocks = in_features / block_values(type), row_bytes = blocks * block_bytes(type);
     const int64_t runs_per_row = in_features / RUN;
     /* Whole groups of MAX_FEATURES rows, then the rest one by one. */
@@ -547,22 +539,18 @@ static inline __attribute__((always_inline)) void group_dots(
     }
 }
 
-/* linear_part for a part in the interleaved layout: GROUP outputs at a time, activation rows
- * MAX_ROW_GROUP at a time. */
-static void interleaved_part(
-    int type, const uint8_t *weight, int64_t out_features, int64_t in_features, const struct QuantizedRun *x,
-    int64_t rows, const float *bias, char *out, int64_t out_stride, int out_dtype, int num_threads)
+/* Group g's GROUP outputs of every activation row (activation rows MAX_ROW_GROUP at a time):
+ * `group` its blocks, `bias` and `out` from its first output column. */
+static void interleaved_group(
+    int base, const uint8_t *group, int64_t in_features, const struct QuantizedRun *x, int64_t rows,
+    const float *bias, char *out, int64_t out_stride, int out_dtype)
 {
-    const int base = type & ~INTERLEAVED;
-    const int64_t blocks = in_features / RUN, group_bytes = GROUP * blocks * block_bytes(base);
+    const int64_t blocks = in_features / RUN;
     const size_t item = dtype_size(out_dtype);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t g = 0; g < out_features / GROUP; g++) {
-        const uint8_t *group = weight + g * group_bytes;
-        for (int64_t row = 0; row < rows; row += MAX_ROW_GROUP) {
-            f32x16 acc[MAX_ROW_GROUP];
-            const int count = rows - row < MAX_ROW_GROUP ? (int)(rows - row) : MAX_ROW_GROUP;
-#define GROUP_DOTS(BASE, ROWS) group_dots(BASE, group, blocks, x, in_features / RUN, row, ROWS, acc)
+    for (int64_t row = 0; row < rows; row += MAX_ROW_GROUP) {
+        f32x16 acc[MAX_ROW_GROUP];
+        const int count = rows - row < MAX_ROW_GROUP ? (int)(rows - row) : MAX_ROW_GROUP;
+#define GROUP_DOTS(BASE, ROWS) group_dots(BASE, group, blocks, x, blocks, row, ROWS, acc)
 #define BY_ROWS(BASE)                          \
     switch (count) {                           \
     case 1: GROUP_DOTS(BASE, 1); break;        \
@@ -570,19 +558,36 @@ static void interleaved_part(
     case 3: GROUP_DOTS(BASE, 3); break;        \
     default: GROUP_DOTS(BASE, 4);              \
     }
-            if (base == GGML_Q4_1) {
-                BY_ROWS(GGML_Q4_1)
-            } else {
-                BY_ROWS(GGML_Q4_0)
-            }
+        if (base == GGML_Q4_1) {
+            BY_ROWS(GGML_Q4_1)
+        } else {
+            BY_ROWS(GGML_Q4_0)
+        }
 #undef BY_ROWS
 #undef GROUP_DOTS
-            for (int r = 0; r < count; r++)
-                for (int l = 0; l < GROUP; l++) {
-                    const int64_t n = g * GROUP + l;
-                    store_float(out + ((row + r) * out_stride + n) * item, out_dtype, acc[r][l] + (bias ? bias[n] : 0.f));
-                }
-        }
+        for (int r = 0; r < count; r++)
+            for (int l = 0; l < GROUP; l++)
+                store_float(out + ((row + r) * out_stride + l) * item, out_dtype, acc[r][l] + (bias ? bias[l] : 0.f));
+    }
+}
+
+/* The parts of `matrix`, all in the interleaved layout, in one parallel loop over all their
+ * groups: a merged q/k/v or gate/up pays for one fork and join of the threads, not one per part. */
+static void interleaved_matrix(
+    const struct QuantizedMatrix *matrix, int64_t in_features, const struct QuantizedRun *x, int64_t rows,
+    const float *bias, char *out, int64_t out_features, int out_dtype, int num_threads)
+{
+    int64_t first_group[4] = {0};
+    for (int p = 0; p < matrix->parts; p++) first_group[p + 1] = first_group[p] + matrix->rows[p] / GROUP;
+    const size_t item = dtype_size(out_dtype);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < first_group[matrix->parts]; g++) {
+        int p = 0;
+        while (g >= first_group[p + 1]) p++;
+        const int base = matrix->types[p] & ~INTERLEAVED;
+        const int64_t column = g * GROUP, group_bytes = GROUP * (in_features / RUN) * block_bytes(base);
+        interleaved_group(base, matrix->data[p] + (g - first_group[p]) * group_bytes, in_features, x, rows,
+                          bias ? bias + column : NULL, out + column * item, out_features, out_dtype);
     }
 }
 
@@ -610,13 +615,27 @@ int quantized_linear(const struct QuantizedMatrix *matrix, const void *x, int x_
     struct QuantizedRun *quantized = aligned_alloc(_Alignof(struct QuantizedRun),
                                                    sizeof *quantized * (size_t)(rows * runs_per_row));
     if (!quantized) return GGUF_NO_MEMORY;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
     for (int64_t m = 0; m < rows; m++) quantize_row(x, x_dtype, m, in_features, quantized + m * runs_per_row);
+    int interleaved = 1;
+    for (int p = 0; p < matrix->parts; p++) interleaved &= (matrix->types[p] & INTERLEAVED) != 0;
+    if (interleaved) {
+        interleaved_matrix(matrix, in_features, quantized, rows, bias, out, out_features, out_dtype, num_threads);
+        free(quantized);
+        return GGUF_OK;
+    }
     int64_t column = 0;
     for (int p = 0; p < matrix->parts; p++) {
-        linear_part(matrix->types[p], matrix->data[p], matrix->rows[p], in_features, quantized, rows,
-                    bias ? bias + column : NULL, (char *)out + column * dtype_size(out_dtype), out_features,
-                    out_dtype, num_threads);
+        const float *part_bias = bias ? bias + column : NULL;
+        char *part_out = (char *)out + column * dtype_size(out_dtype);
+        if (matrix->types[p] & INTERLEAVED) { /* beside parts of other layouts */
+            const struct QuantizedMatrix part = {1, {matrix->types[p]}, {matrix->rows[p]}, {matrix->data[p]}};
+            interleaved_matrix(&part, in_features, quantized, rows, part_bias, part_out, out_features, out_dtype,
+                               num_threads);
+        } else {
+            linear_part(matrix->types[p], matrix->data[p], matrix->rows[p], in_features, quantized, rows, part_bias,
+                        part_out, out_features, out_dtype, num_threads);
+        }
         column += matrix->rows[p];
     }
     free(quantized);

@@ -128,6 +128,17 @@ def test_interleaved_linear_is_within_activation_rounding_of_the_dequantized_mat
     assert_within_activation_rounding(out - bias, x, reference_weight(type_name, blocks))
 
 
+def test_interleaved_parts_beside_a_part_of_another_layout_fill_their_own_columns(body: str) -> None:
+    names, rows = ["Q4_0", "Q8_0", "Q4_1"], [32, 8, 16]
+    blocks = [random_blocks(name, count, 256, seed=i) for i, (name, count) in enumerate(zip(names, rows))]
+    parts = [gguf_linear.interleaved(part_of(name, b)) for name, b in zip(names, blocks)]
+    assert [part.type & gguf_linear.INTERLEAVED for part in parts] == [gguf_linear.INTERLEAVED, 0, gguf_linear.INTERLEAVED]
+    weight = torch.cat([reference_weight(name, b) for name, b in zip(names, blocks)])
+    x, bias = torch.randn(3, 256), torch.randn(sum(rows))
+    out = gguf_linear.linear(x, gguf_linear.QuantizedMatrix(parts, 256), bias)
+    assert_within_activation_rounding(out - bias, x, weight)
+
+
 @pytest.mark.parametrize(("type_name", "rows"), [("Q4_1", 24), ("Q8_0", 32)], ids=["partial-group", "other-type"])
 def test_parts_the_interleaved_kernel_does_not_take_stay_as_stored(type_name: str, rows: int) -> None:
     part = part_of(type_name, random_blocks(type_name, rows, 64))

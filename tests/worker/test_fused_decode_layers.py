@@ -62,27 +62,37 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     "prompt_lengths",
     [pytest.param([3, 12], id="fused-prefill"), pytest.param([5, 40], id="module-prefill")],  # 15 rows; 45
 )
+@pytest.mark.parametrize("one_call", [True, False], ids=["all-layers-in-one-call", "a-call-per-half"])
 def test_fused_layers_give_exactly_the_logits_of_the_modules(
-    config: PreTrainedConfig, prompt_lengths: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    config: PreTrainedConfig, prompt_lengths: list[int], one_call: bool, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     save_tiny_model(config, tmp_path)
     fused, modules = load_widened_bf16(tmp_path), load_widened_bf16(tmp_path)
+    modules.model.fused_stack = None
     for layer in decoder_layers(modules):
         layer.fused = None
+    if not one_call:  # the per-layer halves, as a rank of a tensor-parallel group runs them
+        fused.model.fused_stack = None
     prompts = random_prompts(prompt_lengths, fused.vocab_size, seed=1)
     expected_tokens, expected_logits = greedy_decode(PagedRunner(modules), prompts, DECODE_TOKENS)
     attention_calls, mlp_calls = count_calls(monkeypatch, "attention_block"), count_calls(monkeypatch, "mlp_block")
+    stack_calls = count_calls(monkeypatch, "decoder_stack")
     tokens, logits = greedy_decode(PagedRunner(fused), prompts, DECODE_TOKENS)
     fused_steps = DECODE_TOKENS - 1 + (sum(prompt_lengths) <= cpu_linear.MAX_ROWS)
-    assert attention_calls[0] == mlp_calls[0] == fused_steps * fused.num_layers
+    if one_call:
+        assert (stack_calls[0], attention_calls[0], mlp_calls[0]) == (fused_steps, 0, 0)
+    else:
+        assert attention_calls[0] == mlp_calls[0] == fused_steps * fused.num_layers
     assert tokens == expected_tokens
     assert torch.equal(logits, expected_logits)
 
 
-def test_a_bfloat16_llama_on_the_cpu_backend_fuses_every_layer(tmp_path: Path) -> None:
+def test_a_bfloat16_llama_on_the_cpu_backend_fuses_every_layer_into_one_call(tmp_path: Path) -> None:
     save_tiny_model(tiny_llama_config(), tmp_path)
     model = load_widened_bf16(tmp_path)
     assert all(layer.fused is not None for layer in decoder_layers(model))
+    assert model.model.fused_stack is not None
 
 
 @pytest.mark.parametrize(
@@ -100,3 +110,4 @@ def test_layers_the_fused_calls_would_not_reproduce_stay_on_the_modules(
     save_tiny_model(config, tmp_path)
     model = load_widened_bf16(tmp_path, backend, dtype)
     assert all(layer.fused is None for layer in decoder_layers(model))
+    assert model.model.fused_stack is None

@@ -85,15 +85,17 @@ def test_the_default_model_decodes_hfs_greedy_tokens_up_to_a_near_tie(default_mo
 def test_fused_halves_on_blocks_give_exactly_the_module_logits(default_model: LlamaForCausalLM) -> None:
     prompts = [[1, 510, 3543, 282], [1, 19, 253]]  # a prefill of 7 rows, then decode steps of 2: all fused
     fused_tokens, fused_logits = greedy_decode(PagedRunner(default_model), prompts, 4)
-    layers = default_model.model.layers
-    fused = [layer.fused for layer in layers]
-    assert all(fused), "every Llama layer on blocks is fused"
+    decoder = default_model.model
+    fused, stack = [layer.fused for layer in decoder.layers], decoder.fused_stack
+    assert all(fused) and stack is not None, "every Llama layer on blocks is fused, all in one call"
     try:
-        for layer in layers:
+        decoder.fused_stack = None
+        for layer in decoder.layers:
             layer.fused = None
         tokens, logits = greedy_decode(PagedRunner(default_model), prompts, 4)
     finally:
-        for layer, halves in zip(layers, fused):
+        decoder.fused_stack = stack
+        for layer, halves in zip(decoder.layers, fused):
             layer.fused = halves
     assert fused_tokens == tokens
     assert torch.equal(fused_logits, logits)
@@ -101,8 +103,8 @@ def test_fused_halves_on_blocks_give_exactly_the_module_logits(default_model: Ll
 
 def test_gemma3_270m_blocks_of_four_types_decode_hfs_greedy_tokens_up_to_a_near_tie() -> None:
     model = load_gguf_blocks("gemma3-270m")
-    types = {part.type for layer in model.model.layers for part in layer.self_attn.qkv_proj.quantized.matrix.parts}
-    types |= {layer.mlp.down_proj.quantized.matrix.parts[0].type for layer in model.model.layers}
+    types = {part.base_type for layer in model.model.layers for part in layer.self_attn.qkv_proj.quantized.matrix.parts}
+    types |= {layer.mlp.down_proj.quantized.matrix.parts[0].base_type for layer in model.model.layers}
     assert {gguf_linear.TYPE_NAMES[t] for t in types} == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
     model_dir = resolve_model_path("gemma3-270m")
     prompts = chat_prompts(model_dir)
