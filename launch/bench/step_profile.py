@@ -5,7 +5,8 @@
 The prompts are ``strata bench throughput``'s, each ``--input-len`` tokens long. Runs them once
 untimed, then again with wall-clock timers around the parts of a step (no profiler: its per-call
 cost would distort a step made of many small calls) and prints a Markdown table of milliseconds
-per step. The parts nest: the decoder holds the fused layer halves (decode steps of few rows,
+per step. The parts nest: the decoder holds the fused layers (all in one call on a rank alone in
+its group, else a call per half; decode steps of few rows,
 ``kernels/cpu_decoder_layer.py``) and the linears of the module path (steps with more rows);
 whatever a part does not name is its "rest" row.
 
@@ -91,6 +92,7 @@ def main() -> None:
     time_calls(runner, "execute", "execute", timers, calls)
     time_calls(runner.batch, "prepare", "input preparation", timers, calls)
     time_calls(runner.model, "forward", "decoder", timers, calls)
+    time_calls(cpu_decoder_layer, "decoder_stack", "fused layers, all in one call", timers, calls)
     time_calls(cpu_decoder_layer, "attention_block", "fused attention halves", timers, calls)
     time_calls(cpu_decoder_layer, "mlp_block", "fused MLP halves", timers, calls)
     time_calls(tp_layers, "linear", "module-path linears", timers, calls)
@@ -118,7 +120,7 @@ def main() -> None:
     ms = {part: seconds * 1e3 / steps for part, seconds in timers.items()}
 
     decoder_parts = [
-        "fused attention halves", "fused MLP halves", "module-path linears", "module-path attention, C kernel",
+        "fused layers, all in one call", "fused attention halves", "fused MLP halves", "module-path linears", "module-path attention, C kernel",
         "module-path attention, long chunks (torch)", "module-path KV writes", "module-path norms, rotary, SwiGLU",
     ]
     execute_parts = ["input preparation", "decoder", "LM head", "sampler"]
