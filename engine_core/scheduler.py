@@ -626,7 +626,7 @@ class Scheduler:
         for row, packed in draft_token_ids.items():
             request = scheduled[row]
             if request.status == RUNNING and request.speculate:
-                self.worker_drafts.receive(request, unpack_tokens(packed))
+                self.worker_drafts.receive(request, unpack_tokens(packed).tolist())
 
     def _fail_adapters(self, errors: dict[int, str]) -> None:
         """Finish every request of the adapter loads the workers could not do with the reason,

@@ -42,8 +42,11 @@ def test_a_random_draft_leaves_greedy_tokens_unchanged(target, expected, tmp_pat
 
 def test_a_self_draft_of_the_first_layer_leaves_greedy_tokens_unchanged(target, expected):
     draft = {"speculative_method": "draft", "speculative_model": target, "speculative_draft_layers": 1}
-    # A small cache: drafts past a row's blocks run in scratch blocks, and rows get preempted.
-    assert greedy_tokens(target, executor="uni", num_gpu_blocks=10, block_size=4, **draft) == expected
+    # A small cache (24 blocks of 4 for 136 tokens): drafts past a row's blocks run in scratch
+    # blocks, and rows are preempted and resumed.
+    with LLM(target, skip_tokenizer=True, dtype="float32", executor="uni", num_gpu_blocks=24, block_size=4, **draft) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+        assert llm.stats.num_preemptions > 0 and llm.stats.spec_accepted_tokens > 0
 
 
 def test_a_self_draft_with_every_layer_has_every_draft_accepted(target, expected):

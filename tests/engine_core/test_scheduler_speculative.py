@@ -136,7 +136,7 @@ def test_drafts_the_workers_propose_are_scheduled_in_the_request_next_step(make_
     result.draft_token_ids = {0: pack_tokens([12, 13, 14])}  # the draft model's guesses after "11"
     scheduler.update_from_output(out, result)
     out, _ = step(scheduler, runner, {}, {})
-    assert [unpack_tokens(packed) for packed in out.cached.draft_token_ids.values()] == [[12, 13, 14]]
+    assert [unpack_tokens(packed).tolist() for packed in out.cached.draft_token_ids.values()] == [[12, 13, 14]]
     assert scheduler.spec.accepted_tokens == 3
 
 
