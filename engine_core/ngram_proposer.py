@@ -8,32 +8,12 @@ request whose last n-gram never occurred before costs one C-speed scan per step.
 """
 
 from array import array
-from dataclasses import dataclass
 
 from strata.engine_core.protocol import TOKEN_TYPECODE
 from strata.engine_core.request import Request
+from strata.engine_core.speculative import SpeculativeConfig
 
-SPECULATIVE_METHODS = ("ngram",)
 TOKEN_BYTES = array(TOKEN_TYPECODE).itemsize
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """``method=None``: no speculation. ``ngram``: match the last ``ngram_max`` down to
-    ``ngram_min`` tokens and propose up to ``num_speculative_tokens`` that followed."""
-
-    method: str | None = None
-    num_speculative_tokens: int = 3
-    ngram_min: int = 1
-    ngram_max: int = 4
-
-    def __post_init__(self) -> None:
-        if self.method is not None and self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"ngram_min and ngram_max need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
 
 
 class NgramProposer:

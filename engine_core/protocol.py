@@ -177,6 +177,8 @@ class NewRequestData(msgspec.Struct, array_like=True):
     num_computed_tokens: int
     num_scheduled_tokens: int
     lora_slot: int = -1  # the slot of the workers' adapter pool its tokens use; -1: none
+    # Drafts may be verified for it: with a draft model, the workers propose its next drafts.
+    speculate: bool = False
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -274,6 +276,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag="out"):
     # LoRA adapters this step's ``lora_loads`` could not put into their slots (their files went
     # missing or changed since the frontend checked them): ``lora_id`` -> why.
     lora_load_errors: dict[int, str] = {}
+    # Speculative decoding with a draft model: the drafts it proposed after this step for each
+    # decoding row (batch position) that may speculate, packed int32, for the row's next step.
+    draft_token_ids: dict[int, bytes] = {}
 
 
 # ---- process control ----------------------------------------------------------------------

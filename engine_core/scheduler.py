@@ -33,7 +33,7 @@ from strata.engine_core.kv_cache_manager import KVCacheManager
 from strata.engine_core.kv_connector import SchedulerConnector
 from strata.engine_core.kv_events import KVEvent
 from strata.engine_core.lora_slots import LoRASlots
-from strata.engine_core.ngram_proposer import NgramProposer, SpeculativeConfig
+from strata.engine_core.ngram_proposer import NgramProposer
 from strata.engine_core.protocol import (
     EngineCoreOutputs,
     FinishedRequest,
@@ -49,7 +49,7 @@ from strata.engine_core.protocol import (
     unpack_tokens,
 )
 from strata.engine_core.request import FINISH_REASONS, Request, RequestStatus
-from strata.engine_core.sampling_params import SamplingParams
+from strata.engine_core.speculative import Proposer, SpeculativeConfig, WorkerDrafts
 
 MAX_HANDLES = 1 << 16
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -127,7 +127,11 @@ class Scheduler:
         self._loaded: set[str] = set()
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0
-        self.proposer = NgramProposer(config.speculative) if config.speculative.method is not None else None
+        # With a draft model the workers propose: their drafts come back with each step's output.
+        self.worker_drafts = WorkerDrafts() if config.speculative.method == "draft" else None
+        self.proposer: Proposer | None = self.worker_drafts
+        if config.speculative.method == "ngram":
+            self.proposer = NgramProposer(config.speculative)
         self.spec = SpecDecodeStats(config.speculative.num_speculative_tokens)
         self.lora_slots = LoRASlots(config.max_loras) if config.max_loras else None
         # Adapter loads the workers could not do, lora_id -> why: their requests are refused,
@@ -148,7 +152,7 @@ class Scheduler:
             frozenset() if params.ignore_eos or request.eos_token_id is None else {request.eos_token_id}
         )
         request.max_num_tokens = min(request.num_prompt_tokens + params.max_tokens, self.config.max_model_len)
-        request.speculate = self.proposer is not None and _verifiable(params)
+        request.speculate = self.proposer is not None and self.config.speculative.verifies(params)
         self._arrivals += 1
         if self.config.policy == "priority":
             request.queue_key = (request.priority, request.arrival_time, self._arrivals)
@@ -456,6 +460,7 @@ class Scheduler:
                 num_computed_tokens=num_computed,
                 num_scheduled_tokens=num_new,
                 lora_slot=request.lora_slot,
+                speculate=request.speculate,
             )
         )
         request.num_computed_tokens = num_computed + num_new
@@ -603,6 +608,8 @@ class Scheduler:
             any_finished |= self._append_token(request, token)
         for row, row_logprobs in runner_output.logprobs.items():
             logprobs[scheduled[row].request_id] = row_logprobs
+        if runner_output.draft_token_ids:
+            self._receive_drafts(scheduled, runner_output.draft_token_ids)
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         if runner_output.kv_connector_output is not None:
@@ -610,6 +617,16 @@ class Scheduler:
         return EngineCoreOutputs(
             request_ids, new_token_ids, logprobs, self.take_finished(), self.stats(), prompt_logprobs
         )
+
+    def _receive_drafts(self, scheduled: list[Request], draft_token_ids: dict[int, bytes]) -> None:
+        """Keep the drafts the workers' draft model proposed after this step, for the requests'
+        next steps (after their tokens were appended: the drafts continue those)."""
+        if self.worker_drafts is None:
+            raise ValueError("the workers proposed drafts, but this engine's speculative method is not draft")
+        for row, packed in draft_token_ids.items():
+            request = scheduled[row]
+            if request.status == RUNNING and request.speculate:
+                self.worker_drafts.receive(request, unpack_tokens(packed).tolist())
 
     def _fail_adapters(self, errors: dict[int, str]) -> None:
         """Finish every request of the adapter loads the workers could not do with the reason,
@@ -781,20 +798,6 @@ class SpecDecodeStats:
         self.verifications += 1
         for position in range(num_accepted):
             self.accepted_by_position[position] += 1
-
-
-def _verifiable(params: SamplingParams) -> bool:
-    """Whether drafts can be verified for a request: the workers check each draft position
-    with the request's own sampling (temperature, top-k/p, min-p, logit bias, min_tokens);
-    penalties, logprobs and grammars, which depend on the tokens before each position, are not
-    applied per draft position yet, so such requests decode one token per step."""
-    return (
-        params.logprobs is None
-        and params.structured_outputs is None
-        and params.presence_penalty == 0
-        and params.frequency_penalty == 0
-        and params.repetition_penalty == 1
-    )
 
 
 def _queue_key(request: Request) -> tuple:

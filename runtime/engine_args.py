@@ -17,7 +17,7 @@ from typing import Any, TypeVar, get_args
 
 from strata.connector.policies import EVICTION_POLICIES
 from strata.engine_core.kv_connector import SchedulerConnector
-from strata.engine_core.ngram_proposer import SPECULATIVE_METHODS, SpeculativeConfig
+from strata.engine_core.speculative import SPECULATIVE_METHODS, SpeculativeConfig
 from strata.engine_core.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from strata.runtime.executors.ray_config import RAY_PLACEMENT_STRATEGIES, RayConfig
 from strata.worker.config import (
@@ -130,11 +130,21 @@ class EngineArgs:
     enable_prefix_caching: bool = flag(True)
     scheduling_policy: str = flag("fcfs", choices=SCHEDULING_POLICIES)
     speculative_method: str | None = flag(
-        None, "ngram: draft tokens by prompt lookup, verified in one forward (off by default)", choices=SPECULATIVE_METHODS
+        None,
+        "ngram: draft tokens by prompt lookup; draft: by a smaller model (--speculative-model), greedy "
+        "requests only; either is verified in one forward (off by default)",
+        choices=SPECULATIVE_METHODS,
     )
     num_speculative_tokens: int = flag(3, "most drafts a request verifies per step", rule=at_least(1))
     ngram_min: int = flag(1, "ngram: shortest suffix matched", rule=at_least(1))
     ngram_max: int = flag(4, "ngram: longest suffix matched, tried first", rule=at_least(1))
+    speculative_model: str | None = flag(
+        None, "draft: the draft model (HF directory or .gguf file) with the model's vocabulary; the model itself "
+        "with --speculative-draft-layers for a self-draft"
+    )
+    speculative_draft_layers: int | None = flag(
+        None, "draft: run only the draft model's first N decoder layers (with its norm and head)", rule=at_least(1)
+    )
     attention_backend: str | None = flag(None, choices=ATTENTION_BACKENDS)
     worker_timeout_s: float = flag(60.0, "a worker silent this long is declared hung")
     kv_offload_cpu_bytes: int | None = flag(None, "CPU KV tier size, total over all ranks (off by default)")
@@ -215,6 +225,11 @@ class EngineArgs:
             )
         self.lora_module_paths()  # raises if a --lora-modules entry is not NAME=PATH
         self.speculative_config()  # raises if the speculative flags disagree
+        if self.speculative_method == "draft" and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "speculative_method draft does not support --pipeline-parallel-size > 1 (the draft runs on the "
+                "last stage, which would need every earlier stage's tokens first)"
+            )
 
     @property
     def lora_enabled(self) -> bool:
@@ -234,7 +249,10 @@ class EngineArgs:
         return paths
 
     def speculative_config(self) -> SpeculativeConfig:
-        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.ngram_min, self.ngram_max)
+        return SpeculativeConfig(
+            self.speculative_method, self.num_speculative_tokens, self.ngram_min, self.ngram_max,
+            self.speculative_model, self.speculative_draft_layers,
+        )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -340,7 +358,7 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
     resolved_here = {
         "model": str(path), "device": _device(args.device), "max_model_len": max_model_len,
         "gguf_file": None if gguf is None else str(gguf), "enable_lora": args.lora_enabled,
-    }
+    } | _resolve_draft(args, model_config)
     worker = WorkerConfig(**(same_named | resolved_here))
     ray_config = None
     if args.executor == "ray":
@@ -349,6 +367,27 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
         path, _tokenizer_path(args, path), scheduler, worker, args.executor, args.worker_timeout_s, ray_config,
         args.kv_offload_policy, args.kv_events_endpoint, args.kv_events_replay_endpoint,
     )
+
+
+def _resolve_draft(args: EngineArgs, model_config: dict[str, Any]) -> dict[str, Any]:
+    """The workers' draft-model settings: the draft located (a GGUF converted once, like the
+    model) and refused unless its vocabulary is the model's and it has the layers asked for."""
+    from strata.worker.model_loader import gguf_file, resolve_model_path
+
+    if args.speculative_method != "draft":
+        return {"speculative_model": None, "speculative_draft_layers": None}
+    path = resolve_model_path(args.speculative_model)
+    draft_config = json.loads((path / "config.json").read_text())
+    if draft_config.get("vocab_size") != model_config.get("vocab_size"):
+        raise ValueError(
+            f"the draft model {args.speculative_model} has a vocabulary of {draft_config.get('vocab_size')} tokens, "
+            f"the model {model_config.get('vocab_size')}: a draft must share the model's tokenizer"
+        )
+    layers = int(draft_config["num_hidden_layers"])
+    if args.speculative_draft_layers is not None and args.speculative_draft_layers > layers:
+        raise ValueError(f"speculative_draft_layers {args.speculative_draft_layers} exceeds the draft model's {layers} layers")
+    gguf = gguf_file(args.speculative_model)
+    return {"speculative_model": str(path), "speculative_gguf_file": None if gguf is None else str(gguf)}
 
 
 def _check_pipeline_split(args: EngineArgs, model_cls: type, model_config: dict[str, Any]) -> None:

@@ -47,3 +47,10 @@ class WorkerConfig(msgspec.Struct):
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    # Speculative decoding with a draft model (its resolved directory, and the GGUF file it was
+    # converted from, if any; its first ``speculative_draft_layers`` layers if set), run
+    # ``num_speculative_tokens`` times per decoding row after each step.
+    speculative_model: str | None = None
+    speculative_gguf_file: str | None = None
+    speculative_draft_layers: int | None = None
+    num_speculative_tokens: int = 3

@@ -70,7 +70,10 @@ def _gib(num_bytes: int) -> str:
 
 class KVCacheSizer:
     """Sizes one rank's KV cache and its share of the CPU tier, in blocks of ``block_size``
-    tokens whose keys and values ``model`` holds in ``cache_dtype`` on ``device``."""
+    tokens whose keys and values ``model`` holds in ``cache_dtype`` on ``device``. With a
+    speculative ``draft`` model, whose own cache has a block for every block of the target's
+    (same ids), a block of the budget pays for both: the two caches split it in proportion to
+    their layers' K/V sizes. The CPU tier keeps the target's blocks only."""
 
     def __init__(
         self,
@@ -79,18 +82,25 @@ class KVCacheSizer:
         model: LlamaForCausalLM,
         cache_dtype: torch.dtype,
         device: torch.device,
+        draft: LlamaForCausalLM | None = None,
     ) -> None:
         self.config = config
         self.tp = tp
         self.model = model
+        self.draft = draft
         self.cache_dtype = cache_dtype
         self.block_size = config.block_size
         self.device = device
 
     def bytes_per_block(self) -> int:
-        """A block's keys and values over all layers."""
+        """A block's keys and values over all layers, the draft's included."""
+        draft = 0 if self.draft is None else self.model_bytes_per_block(self.draft)
+        return self.model_bytes_per_block(self.model) + draft
+
+    def model_bytes_per_block(self, model: LlamaForCausalLM) -> int:
+        """A block's keys and values over ``model``'s layers."""
         element = torch.empty((), dtype=self.cache_dtype).element_size()
-        return 2 * self.block_size * self.model.num_kv_heads_per_rank * self.model.head_dim * element * self.model.num_layers
+        return 2 * self.block_size * model.num_kv_heads_per_rank * model.head_dim * element * model.num_layers
 
     def num_blocks(self, graph_sizes: list[int]) -> int:
         """Blocks in the KV cache, as ``WorkerConfig`` says; on CUDA the profile run counts the
@@ -125,7 +135,7 @@ class KVCacheSizer:
             raise ValueError(
                 f"kv_offload_block_size ({offload_block_size}) must be a multiple of block_size ({self.block_size})"
             )
-        per_block = self.bytes_per_block() * (offload_block_size // self.block_size)
+        per_block = self.model_bytes_per_block(self.model) * (offload_block_size // self.block_size)
         num_ranks = self.tp.size * self.config.pipeline_parallel_size
         num_blocks = total // num_ranks // per_block
         if num_blocks < 1:

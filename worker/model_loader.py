@@ -236,6 +236,7 @@ def load_model(
     blocks_from: Path | None = None,
     scaled: ScaledScheme | None = None,
     stage: PipelineStage = WHOLE_MODEL,
+    num_layers: int | None = None,
 ) -> LlamaForCausalLM:
     """Build the model ``path/config.json`` describes on ``device`` and load this rank's weights.
 
@@ -245,11 +246,14 @@ def load_model(
     stores in blocks come from it, still in blocks. ``"dummy"``: seeded random weights of the
     config's shapes (``dummy_weights``), for runs that need no checkpoint. With ``scaled`` the
     linears end up with 8-bit weights (``worker/scaled_weights.py``). A pipeline ``stage`` builds
-    and reads only that stage's part of the model.
+    and reads only that stage's part of the model; ``num_layers`` keeps only the first decoder
+    layers (with the norm and head: a speculative self-draft).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if num_layers is not None:
+        truncate_layers(config, num_layers)
     model_cls = model_class(config.model_type, config.architectures)
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(config, tp, attn_backend, stage)
@@ -265,6 +269,16 @@ def load_model(
     else:
         load_scaled_weights(model, weights, scaled, tp)
     return model.eval()
+
+
+def truncate_layers(config: PreTrainedConfig, num_layers: int) -> None:
+    """Make ``config`` describe its model's first ``num_layers`` decoder layers only (the rest
+    of the checkpoint's layers are skipped at load, as another pipeline stage's would be)."""
+    if not 1 <= num_layers <= config.num_hidden_layers:
+        raise ValueError(f"the model has {config.num_hidden_layers} decoder layers, cannot keep the first {num_layers}")
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:num_layers]
 
 
 def weight_bytes(model: nn.Module) -> int:

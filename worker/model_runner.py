@@ -17,6 +17,7 @@ from strata.worker.attention import AttentionBackend, AttentionMetadata, get_att
 from strata.worker.config import WorkerConfig
 from strata.worker.cpu_memory import check_kv_cache_fits, keep_freed_memory, zeroed_cpu_tensor
 from strata.worker.cuda_graphs import CudaGraphRunner, graph_batch_sizes
+from strata.worker.draft_proposer import DraftProposer, scratch_blocks_per_row
 from strata.worker.draft_verification import DraftLayout
 from strata.worker.input_batch import InputBatch, StepInputs, to_device
 from strata.worker.kv_cache_sizing import KVCacheSizer
@@ -27,7 +28,8 @@ from strata.worker.cpu_linear_plan import (
 )
 from strata.worker.model_loader import load_model, quantized_weights_file, resolve_dtype, weight_bytes
 from strata.worker.parallel_state import TensorParallel
-from strata.worker.pipeline_parallel import WHOLE_MODEL, SampledTokenFeed, StageLink
+from strata.worker.llama import LlamaForCausalLM
+from strata.worker.pipeline_parallel import WHOLE_MODEL, PipelineStage, SampledTokenFeed, StageLink
 from strata.worker.prompt_logprobs import compute_prompt_logprobs, prompt_spans
 from strata.worker.sampler import SamplingMetadata, sample
 from strata.worker.scaled_weights import scaled_scheme
@@ -55,48 +57,44 @@ class ModelRunner:
         self.dtype, reason = resolve_dtype(config.dtype, self.device)
         logger.info("rank %d: dtype %s (%s)", tp.rank, self.dtype, reason)
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        blocks_from = quantized_weights_file(config.quantization, config.gguf_file, self.device)
-        scaled = scaled_scheme(config.quantization, Path(config.model), self.device)
         stage = link.stage if link is not None else WHOLE_MODEL
-        self.model = load_model(
-            config.model, self.dtype, tp, self.backend, self.device, config.load_format, blocks_from, scaled, stage
-        )
-        logger.info("rank %d: weights hold %.1f MB", tp.rank, weight_bytes(self.model) / 1e6)
-        if scaled is not None:
-            logger.info("rank %d: linears: %s", tp.rank, scaled.describe())
-        # The CPU plan chooses among ways to hold float weights, which 8-bit linears no longer have.
-        cpu_plan = None
-        if scaled is None:
-            cpu_plan = plan_cpu_linears(config.cpu_bf16_linear, self.model, self.dtype, self.device, tp)
-        if cpu_plan is not None:
-            apply_cpu_linear_plan(self.model, cpu_plan)
-            logger.info("rank %d: linears: %s", tp.rank, cpu_plan.describe())
-        quantized_plan = plan_quantized_linears(self.model, self.dtype, tp)
-        if quantized_plan is not None:
-            apply_quantized_linear_plan(self.model, quantized_plan)
-            logger.info("rank %d: GGUF-block linears (%s): %s", tp.rank, blocks_from.name, quantized_plan.describe())
+        self.model = load_rank_model(config, tp, self.dtype, self.backend, self.device, config.model, config.gguf_file, stage)
         self.lora = lora_slots(config, tp, self.model, self.dtype, self.device)
         self.cache_dtype = self.backend.cache_dtype(self.dtype)
         self.block_size = config.block_size
-        sizer = KVCacheSizer(config, tp, self.model, self.cache_dtype, self.device)
+        draft = None
+        if config.speculative_model is not None:
+            draft = load_rank_model(
+                config, tp, self.dtype, self.backend, self.device, config.speculative_model,
+                config.speculative_gguf_file, WHOLE_MODEL, config.speculative_draft_layers,
+            )
+        sizer = KVCacheSizer(config, tp, self.model, self.cache_dtype, self.device, draft)
         graph_sizes = cuda_graph_sizes(config, tp, self.device, self.backend)
         self.num_blocks = sizer.num_blocks(graph_sizes)
-        cache_shape = (2, self.num_blocks, self.block_size, self.model.num_kv_heads_per_rank, self.model.head_dim)
         if self.device.type == "cpu":
             check_kv_cache_fits(self.num_blocks * sizer.bytes_per_block())
-            self.kv_caches = [zeroed_cpu_tensor(cache_shape, self.cache_dtype) for _ in range(self.model.num_layers)]
-        else:
-            self.kv_caches = [
-                torch.zeros(cache_shape, dtype=self.cache_dtype, device=self.device) for _ in range(self.model.num_layers)
-            ]
+        self.kv_caches = self._kv_caches(self.model, self.num_blocks)
+        # Handles go up to twice max_num_seqs (finished handles are reserved for a step).
+        num_batch_rows = 2 * config.max_num_seqs
+        self.drafter = None
+        if draft is not None:
+            scratch = config.max_num_seqs * scratch_blocks_per_row(config.num_speculative_tokens, self.block_size)
+            self.drafter = DraftProposer(
+                draft, self._kv_caches(draft, self.num_blocks + scratch), self.num_blocks, self.block_size,
+                config.num_speculative_tokens, num_batch_rows, config.max_num_seqs, self.device,
+            )
+            logger.info(
+                "rank %d: draft model: %d layers, %.1f MB of weights, its KV cache %.1f MB",
+                tp.rank, draft.num_layers, weight_bytes(draft) / 1e6,
+                (self.num_blocks + scratch) * sizer.model_bytes_per_block(draft) / 1e6,
+            )
         self.graphs = None
         if graph_sizes:
             self.graphs = CudaGraphRunner(
                 self.model, self.kv_caches, graph_sizes, config.max_model_len, self.block_size, self.device
             )
             self.graphs.capture()
-        # Handles go up to twice max_num_seqs (finished handles are reserved for a step).
-        self.batch = InputBatch(2 * config.max_num_seqs, config.max_model_len, self.block_size)
+        self.batch = InputBatch(num_batch_rows, config.max_model_len, self.block_size)
         # A stage before the last samples nothing: the last stage's tokens come over the link.
         self.feed = SampledTokenFeed(link, self.batch) if link is not None and not link.stage.is_last else None
         self.num_cpu_blocks = sizer.num_offload_blocks()
@@ -104,6 +102,13 @@ class ModelRunner:
         if self.num_cpu_blocks:
             factor = (config.kv_offload_block_size or self.block_size) // self.block_size
             self.offload = OffloadingConnectorWorker(self.kv_caches, self.num_cpu_blocks * factor)
+
+    def _kv_caches(self, model: LlamaForCausalLM, num_blocks: int) -> list[torch.Tensor]:
+        """One paged cache per layer of ``model``, ``num_blocks`` blocks each."""
+        shape = (2, num_blocks, self.block_size, model.num_kv_heads_per_rank, model.head_dim)
+        if self.device.type == "cpu":
+            return [zeroed_cpu_tensor(shape, self.cache_dtype) for _ in range(model.num_layers)]
+        return [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in range(model.num_layers)]
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, grammar_bitmask: Callable[[], bytes] | None = None) -> ModelRunnerOutput:
@@ -192,6 +197,7 @@ class ModelRunner:
             self.batch.accept(int(rows[index]), row_tokens)
         if self.link is not None and self.model.stage.size > 1:
             self._send_sampled(done, sampled, produced)
+        draft_token_ids = self._propose_drafts(rows, done, produced) if self.drafter is not None else {}
         return ModelRunnerOutput(
             step=step.step,
             rank=self.config.rank,
@@ -200,7 +206,23 @@ class ModelRunner:
             kv_connector_output=self._finished_transfers(),
             prompt_logprobs=prompt_logprobs,
             verified_token_ids={index: pack_tokens(row_tokens) for index, row_tokens in produced.items()},
+            draft_token_ids=draft_token_ids,
         )
+
+    def _propose_drafts(self, rows: np.ndarray, done: np.ndarray, produced: dict[int, list[int]]) -> dict[int, bytes]:
+        """The draft model's drafts, by batch position, for the rows that may speculate and
+        gained tokens this step (a sampled token, or a verified step's). Every rank runs the
+        draft (its TP shard); only the first sends them, the one the executor reads tokens from."""
+        assert self.drafter is not None
+        gained = done.copy()
+        gained[list(produced)] = True
+        positions = np.flatnonzero(gained & self.batch.speculate[rows])
+        if len(positions) == 0:
+            return {}
+        drafts = self.drafter.propose(self.batch, rows[positions])
+        if self.tp.rank != 0:
+            return {}
+        return {int(position): pack_tokens(row_drafts) for position, row_drafts in zip(positions, drafts.tolist())}
 
     def _send_sampled(self, done: np.ndarray, sampled: np.ndarray, produced: dict[int, list[int]]) -> None:
         """The last stage tells the earlier ones what each row gained: the sampled token where
@@ -232,6 +254,8 @@ class ModelRunner:
             self.feed.catch_up(step.collected_step)
         for new in step.new_requests:
             self.batch.add(new)
+            if self.drafter is not None:
+                self.drafter.row_added(new.handle)
             if self.feed is not None:
                 self.feed.row_added(new.handle, step.step)
         for handle, count in step.cached.kept_blocks.items():
@@ -328,6 +352,41 @@ class ModelRunner:
         meta.presence_penalty = self._to_device(batch.presence_penalty[rows])
         meta.frequency_penalty = self._to_device(batch.frequency_penalty[rows])
         meta.repetition_penalty = self._to_device(batch.repetition_penalty[rows])
+
+
+def load_rank_model(
+    config: WorkerConfig,
+    tp: TensorParallel,
+    dtype: torch.dtype,
+    backend: AttentionBackend,
+    device: torch.device,
+    model_dir: str,
+    gguf_file: str | None,
+    stage: PipelineStage,
+    num_layers: int | None = None,
+) -> LlamaForCausalLM:
+    """This rank's shard of the model in ``model_dir`` (its first ``num_layers`` decoder layers
+    if given), its linears held as ``config.quantization`` and the CPU's plans say: the target,
+    or a speculative draft."""
+    blocks_from = quantized_weights_file(config.quantization, gguf_file, device)
+    scaled = scaled_scheme(config.quantization, Path(model_dir), device)
+    model = load_model(model_dir, dtype, tp, backend, device, config.load_format, blocks_from, scaled, stage, num_layers)
+    logger.info("rank %d: %s: weights hold %.1f MB", tp.rank, model_dir, weight_bytes(model) / 1e6)
+    if scaled is not None:
+        logger.info("rank %d: linears: %s", tp.rank, scaled.describe())
+    # The CPU plan chooses among ways to hold float weights, which 8-bit linears no longer have.
+    cpu_plan = None
+    if scaled is None:
+        cpu_plan = plan_cpu_linears(config.cpu_bf16_linear, model, dtype, device, tp)
+    if cpu_plan is not None:
+        apply_cpu_linear_plan(model, cpu_plan)
+        logger.info("rank %d: linears: %s", tp.rank, cpu_plan.describe())
+    quantized_plan = plan_quantized_linears(model, dtype, tp)
+    if quantized_plan is not None:
+        assert blocks_from is not None
+        apply_quantized_linear_plan(model, quantized_plan)
+        logger.info("rank %d: GGUF-block linears (%s): %s", tp.rank, blocks_from.name, quantized_plan.describe())
+    return model
 
 
 def cuda_graph_sizes(config: WorkerConfig, tp: TensorParallel, device: torch.device, backend: AttentionBackend) -> list[int]:

@@ -5,7 +5,7 @@ nothing) has every token the last stage sampled before a step needs it."""
 from dataclasses import dataclass
 
 from strata.engine_core.core import EngineCore
-from strata.engine_core.ngram_proposer import SpeculativeConfig
+from strata.engine_core.speculative import SpeculativeConfig
 from strata.engine_core.protocol import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput, unpack_handles
 from strata.engine_core.sampling_params import SamplingParams
 from strata.engine_core.scheduler import SchedulerConfig

@@ -2,7 +2,9 @@
 worker does): the tokens equal decoding without drafts, drafts count against the budget and
 get KV slots, rejected drafts give their slots back, and nothing passes a stop."""
 
-from strata.engine_core.ngram_proposer import SpeculativeConfig
+from strata.engine_core.speculative import SpeculativeConfig
+from strata.engine_core.protocol import pack_tokens, unpack_tokens
+from strata.engine_core.sampling_params import SamplingParams
 from strata.engine_core.scheduler import Scheduler, SchedulerConfig
 from fake_runner import FakeRunner, run_to_completion, step
 
@@ -120,3 +122,25 @@ def test_preemption_and_abort_around_speculated_steps_keep_the_kv_invariants(mak
             break
     assert scheduler.num_preemptions > 0
     assert all(results[r].token_ids == (PATTERN * 6)[:30] for r in ids if r != "r1")
+
+
+DRAFT = SpeculativeConfig(method="draft", num_speculative_tokens=3, draft_model="draft-dir")
+
+
+def test_drafts_the_workers_propose_are_scheduled_in_the_request_next_step(make_request):
+    scheduler = make_scheduler(DRAFT)
+    scheduler.add_request(make_request(prompt=PATTERN * 2, request_id="r", max_tokens=20, temperature=0))
+    runner = repeating_runner(["r"])
+    out = scheduler.schedule()
+    result = runner.execute(out)
+    result.draft_token_ids = {0: pack_tokens([12, 13, 14])}  # the draft model's guesses after "11"
+    scheduler.update_from_output(out, result)
+    out, _ = step(scheduler, runner, {}, {})
+    assert [unpack_tokens(packed).tolist() for packed in out.cached.draft_token_ids.values()] == [[12, 13, 14]]
+    assert scheduler.spec.accepted_tokens == 3
+
+
+def test_sampled_requests_get_no_draft_model_drafts():
+    assert DRAFT.verifies(SamplingParams(temperature=0))
+    assert not DRAFT.verifies(SamplingParams(temperature=0.7))
+    assert NGRAM.verifies(SamplingParams(temperature=0.7))
