@@ -155,9 +155,14 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids, message)
 
     def abort_everything(self, reason: str) -> list[FinishedRequest]:
-        """Fail every request (the engine is stopping) and return their outputs."""
-        self.abort_requests(list(self._awaiting_grammar) + list(self.scheduler.requests), reason)
+        """Fail every request (the engine is stopping) and return their outputs: theirs
+        marked ``engine_fault``, those already finished (a refusal not yet reported) as they were."""
+        failing = [*self._awaiting_grammar, *self.scheduler.requests]
+        self.abort_requests(failing, reason)
         finished, self._finished = self._finished + self.scheduler.take_finished(), []
+        failed = set(failing)
+        for output in finished:
+            output.engine_fault = output.request_id in failed
         return finished
 
     def has_work(self) -> bool:

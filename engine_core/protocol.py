@@ -105,10 +105,15 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
 
 
 class FinishedRequest(msgspec.Struct, array_like=True):
+    """A request the engine is done with. An ``error`` is the request's fault (refused,
+    rejected by its grammar or adapter) unless ``engine_fault``: its engine or data-parallel
+    replica failed under it, which the server answers with a 5xx, not a 400."""
+
     request_id: str
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     message: str | None = None
     stop_token_id: int | None = None
+    engine_fault: bool = False
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

@@ -31,6 +31,7 @@ class CompletionDelta:
     finish_reason: str | None
     stop_reason: str | int | None = None
     error: str | None = None
+    engine_fault: bool = False  # the error is the engine's (a replica or worker died), not the request's
 
 
 @dataclass
@@ -171,6 +172,7 @@ class OutputProcessor:
             )
             deltas[finished.request_id] = delta
             self._finish(finished.request_id, delta, finished.finish_reason, finished.stop_token_id, finished.message)
+            delta.engine_fault = finished.engine_fault
         return list(deltas.values()), to_abort
 
     def _finish(

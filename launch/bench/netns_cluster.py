@@ -22,6 +22,7 @@ Run as a script, it starts a cluster, prints how to reach it, and holds it until
 import argparse
 import ctypes
 import os
+import platform
 import secrets
 import shutil
 import signal
@@ -88,7 +89,12 @@ def netem_unavailable() -> str | None:
             ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
             capture_output=True, text=True,
         )
-    return None if added.returncode == 0 else f"`tc qdisc add ... netem` failed: {added.stderr.strip()}"
+    if added.returncode == 0:
+        return None
+    why = added.stderr.strip()
+    if "kind is unknown" in why:  # what tc says where the kernel has no netem qdisc, built in or as a module
+        return f"this kernel ({platform.release()}) has no sch_netem, so tc cannot delay or drop packets ({why})"
+    return f"`tc qdisc add ... netem` failed: {why}"
 
 
 @contextmanager

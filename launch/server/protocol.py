@@ -429,3 +429,9 @@ class APIError(Exception):
     @classmethod
     def unavailable(cls, reason: str) -> "APIError":
         return cls(503, f"the engine is not available: {reason}", "server_error", code="engine_unavailable")
+
+    @classmethod
+    def engine_failed(cls, reason: str) -> "APIError":
+        """A request lost to a failure in the engine (its worker or data-parallel replica died);
+        the server may serve on with the rest, so this is not ``unavailable``."""
+        return cls(503, reason, "server_error", code="engine_failed")

@@ -236,19 +236,11 @@ class EngineRun:
             if isinstance(item, Exception):
                 raise item
             if item.error is not None:
-                raise await self._engine_error(item.error)
+                # A dead worker or data-parallel replica is the server's failure; only what the
+                # engine refused or cut short for the request itself is the client's.
+                raise APIError.engine_failed(item.error) if item.engine_fault else APIError(400, item.error)
             return dataclasses.replace(item, index=prompt_index * self._job.params.n + item.index)
         return None
-
-    async def _engine_error(self, message: str) -> APIError:
-        """The engine failed the request: the request's fault (400) if the engine is still
-        alive, else the engine's (503). A dying worker fails its requests just before the
-        engine reports its own death, so ask the engine rather than trust the order."""
-        try:
-            await self._engine.check_health()
-        except (RuntimeError, TimeoutError):  # EngineDeadError is a RuntimeError
-            return APIError.unavailable(message)
-        return APIError(400, message)
 
 
 async def answer(

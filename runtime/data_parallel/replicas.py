@@ -99,7 +99,7 @@ class ReplicaSet:
         lost = [request_id for request_id, owner in self.owner.items() if owner == replica]
         for request_id in lost:
             del self.owner[request_id]
-        return EngineCoreOutputs(finished=[FinishedRequest(request_id, "error", message) for request_id in lost])
+        return EngineCoreOutputs(finished=[FinishedRequest(request_id, "error", message, engine_fault=True) for request_id in lost])
 
     def dead_reason(self) -> str | None:
         if self.live:

@@ -1,5 +1,6 @@
 """The EngineCore's own checks, with a model-free executor: every token id that would reach a
-worker is checked against the vocabulary before the request is queued."""
+worker is checked against the vocabulary before the request is queued; when the engine fails
+(its executor lost a worker), the requests it fails are marked as its fault, a refusal is not."""
 
 from strata.engine_core.core import EngineCore
 from strata.engine_core.protocol import EngineCoreRequest
@@ -44,3 +45,14 @@ def test_prompt_token_id_outside_the_vocabulary_is_refused():
     core.add_request(EngineCoreRequest("bad", [5, -1], SamplingParams(), None, 0.0))
     reason, message = run(core)["bad"]
     assert reason == "error" and "prompt token id -1" in message
+
+
+def test_failing_everything_marks_the_engines_fault_but_not_an_earlier_refusal():
+    core = EngineCore(SchedulerConfig(), FakeExecutor())
+    core.add_request(make_request("running"))
+    core.step()
+    core.add_request(make_request("refused", eos_token_id=VOCAB_SIZE))
+    finished = {request.request_id: request for request in core.abort_everything("worker rank 1 died")}
+    assert (finished["running"].finish_reason, finished["running"].message) == ("error", "worker rank 1 died")
+    assert finished["running"].engine_fault
+    assert finished["refused"].finish_reason == "error" and not finished["refused"].engine_fault

@@ -1,10 +1,12 @@
 """Two data-parallel replicas behind ``strata serve``'s cache-aware router, each replica's rank on
 a Ray node of its own, every node in a network namespace of its own. ``/metrics`` lists both
 replicas before any request; a node killed mid-serving fails only its replica's requests, naming
-the replica, and the other replica serves every new request."""
+the replica, as the server's failure (a 503, or its error body in a stream), and the other
+replica serves every new request."""
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -19,7 +21,14 @@ from server.server_helpers import ServerProcess, running_server, scrape
 MODEL = "tiny"
 MAX_MODEL_LEN = 2048
 LONG_TOKENS = 1500  # about 10 s: the node dies, less than 3 s into them, before any ends
-PROMPTS = ["Tell me a story.", "Write a poem about rain.", "List every prime.", "Describe the sea."]
+# Over one KV block (16 tokens) each: the cache-aware router sends a prompt's twin where the
+# prompt runs, which it holds (pinned while the first is in flight).
+PROMPTS = [
+    "Tell me a long story about a lighthouse keeper who finds a message in a bottle one stormy night.",
+    "Write a poem about rain falling on the roofs of a quiet town, and the people listening to it.",
+    "List every prime number you know, then explain why there are infinitely many of them.",
+    "Describe the sea at dawn, at noon and at midnight, as a sailor who has crossed it many times.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -56,19 +65,22 @@ def request(prompt: str, max_tokens: int, stream: bool = False) -> dict:
     return {**body, "temperature": 0}
 
 
-class Stream(threading.Thread):
-    """One streamed completion, read in the background: its data events as JSON, up to [DONE]."""
+class Completion(threading.Thread):
+    """One long completion, read in the background: streamed, its data events as JSON up to
+    [DONE]; else its one body. ``status`` is the HTTP status."""
 
-    def __init__(self, url: str, prompt: str) -> None:
+    def __init__(self, url: str, prompt: str, stream: bool = True) -> None:
         super().__init__(daemon=True)
-        self.url, self.prompt = url, prompt
+        self.url, self.prompt, self.stream = url, prompt, stream
         self.events: list[dict] = []
+        self.status: int | None = None
         self.started = threading.Event()
 
     def run(self) -> None:
-        body = request(self.prompt, LONG_TOKENS, stream=True)
+        body = request(self.prompt, LONG_TOKENS, stream=self.stream)
         with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=300) as response:
-            if response.status_code != 200:  # refused: its error body stands for the events
+            self.status = response.status_code
+            if response.status_code != 200 or not self.stream:  # one body: the completion, or why not
                 self.events.append(json.loads(response.read()))
             for line in response.iter_lines():
                 if line.startswith("data: {"):
@@ -89,16 +101,28 @@ def test_each_replica_runs_on_a_node_of_its_own_and_is_in_metrics_before_any_req
         assert samples[f"strata_kv_cache_usage_ratio{{replica={replica}}}"] == 0
 
 
+def running(server: ServerProcess) -> float:
+    samples = scrape(server.url)
+    return sum(value for name, value in samples.items() if name.startswith("strata_num_requests_running{"))
+
+
 def test_a_node_killed_mid_serving_fails_its_replicas_requests_and_the_other_replica_serves_on(cluster, server):
     victim = cluster.nodes[2]
-    streams = [Stream(server.url, prompt) for prompt in PROMPTS]
+    streams = [Completion(server.url, prompt) for prompt in PROMPTS]
     for stream in streams:
         stream.start()
     for stream in streams:
         assert stream.started.wait(60) and stream.error is None, stream.error
+    twins = [Completion(server.url, prompt, stream=False) for prompt in PROMPTS]  # each on its stream's replica
+    for twin in twins:
+        twin.start()
+    deadline = time.monotonic() + 60
+    while running(server) < 2 * len(PROMPTS) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert running(server) == 2 * len(PROMPTS)
     cluster.kill_node(victim)
-    for stream in streams:
-        stream.join(120)
+    for completion in streams + twins:
+        completion.join(120)
 
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "degraded"
@@ -108,8 +132,13 @@ def test_a_node_killed_mid_serving_fails_its_replicas_requests_and_the_other_rep
     assert failed and served, "the router sent requests to both replicas"
     for error in failed:
         assert error.startswith(f"data-parallel replica {dead}: worker rank 0 on node {victim.address} died"), error
-    for stream in served:
-        assert stream.events[-1]["choices"][0]["finish_reason"] == "length"
+    for stream, twin in zip(streams, twins):
+        if stream.error is None:
+            assert stream.events[-1]["choices"][0]["finish_reason"] == "length"
+            assert twin.status == 200 and twin.events[-1]["choices"][0]["finish_reason"] == "length"
+        else:  # the stream had sent its headers: the error body comes as its last event
+            assert {stream.events[-1]["error"]["code"], twin.events[-1]["error"]["code"]} == {"engine_failed"}
+            assert twin.status == 503 and twin.error.startswith(f"data-parallel replica {dead}: "), twin.events
 
     for prompt in PROMPTS:
         response = httpx.post(f"{server.url}/v1/completions", json=request(prompt, 4), timeout=60)

@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism across two Ray nodes, each in a network namespace of its own:
-the steps (CurveZMQ) and gloo cross veth links, never loopback. TP=2 and PP=2 give one rank's
-greedy tokens; a node that dies or a link that drops fails the in-flight requests, naming a
-rank and its node, and the engine ends within 30 s instead of waiting forever."""
+the steps (CurveZMQ) and gloo cross veth links, never loopback. TP=2, PP=2 and PP=2 x TP=2 (each
+stage's two ranks on one node) give one rank's greedy tokens; a node that dies or a link that
+drops fails the in-flight requests, naming a rank and its node, and the engine ends within 30 s
+instead of waiting forever."""
 
 import re
 import threading
@@ -13,6 +14,7 @@ import pytest
 from strata import LLM, SamplingParams
 from strata.launch.bench.netns_cluster import NamespaceCluster, Node, netem_unavailable
 from strata.runtime.core_client import EngineDeadError
+from strata.runtime.executors.ray_executor import _join_cluster
 
 from model_factory import random_prompts
 from namespace_cluster import joined_cluster, rank_workers_on, save_tiny_model_with_tokenizer
@@ -45,12 +47,25 @@ def model(tmp_path_factory) -> str:
     return save_tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-llama"), MAX_MODEL_LEN)
 
 
-def spread_engine(model: str, cluster: NamespaceCluster, **parallel: int) -> LLM:
+def spread_engine(model: str, cluster: NamespaceCluster, strategy: str = "STRICT_SPREAD", **parallel: int) -> LLM:
     """Two ranks, one on each node: TP=2 unless ``parallel`` says otherwise."""
     return LLM(
-        model, dtype="float32", executor="ray", ray_address=cluster.address, ray_placement_strategy="STRICT_SPREAD",
+        model, dtype="float32", executor="ray", ray_address=cluster.address, ray_placement_strategy=strategy,
         worker_timeout_s=WORKER_TIMEOUT_S, **(parallel or {"tensor_parallel_size": 2}),
     )
+
+
+def rank_nodes(cluster: NamespaceCluster) -> list[str]:
+    """Each rank's node address, from the one engine's placement group (rank r is its bundle r)."""
+    import ray
+
+    _join_cluster(cluster.address, num_cpus=0)
+    try:
+        [group] = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        return [addresses[node_id] for _, node_id in sorted(group["bundles_to_node_id"].items())]
+    finally:
+        ray.shutdown()
 
 
 def greedy_tokens(llm: LLM) -> list[list[int]]:
@@ -73,6 +88,15 @@ def test_pp2_with_a_stage_on_each_node_gives_the_greedy_tokens_of_one_rank(clust
     # Hidden states and residuals cross the veth link one way, sampled tokens the other.
     with spread_engine(model, cluster, pipeline_parallel_size=2) as llm:
         assert [len(rank_workers_on(cluster, node)) for node in cluster.nodes] == [0, 1, 1]
+        assert greedy_tokens(llm) == one_rank_tokens
+
+
+def test_pp2_by_tp2_with_a_stage_on_each_node_gives_the_greedy_tokens_of_one_rank(cluster, model, one_rank_tokens):
+    # PACK fills a node before the next: each stage's all-reduces stay on its node, and only
+    # the hidden states and sampled tokens between the stages cross the link.
+    with spread_engine(model, cluster, "PACK", pipeline_parallel_size=2, tensor_parallel_size=2) as llm:
+        first, _, second, _ = placed = rank_nodes(cluster)
+        assert placed == [first, first, second, second] and {first, second} == {n.address for n in cluster.nodes[1:]}
         assert greedy_tokens(llm) == one_rank_tokens
 
 
