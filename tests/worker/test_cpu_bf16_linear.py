@@ -95,14 +95,15 @@ def test_streamed_decode_steps_give_the_bfloat16_gemms_logits(plan: CpuLinearPla
     assert planned_tokens[0][:2] == native_tokens[0][:2]
 
 
-def test_activations_and_kv_cache_stay_bfloat16(checkpoint: Path) -> None:
+def test_a_step_through_the_float32_gemms_keeps_activations_and_kv_cache_bfloat16(checkpoint: Path) -> None:
     widened = load_bf16(checkpoint, STREAMED_FLOAT32)
     output_dtypes: list[torch.dtype] = []
     for layer in widened.model.layers:
         layer.self_attn.qkv_proj.register_forward_hook(lambda module, args, out: output_dtypes.append(out.dtype))
         layer.register_forward_hook(lambda module, args, out: output_dtypes.extend(t.dtype for t in out))
     runner = PagedRunner(widened)
-    (prompt,) = random_prompts([9], widened.vocab_size)
+    # More rows than the plan streams: the step runs the modules, not the fused C layers.
+    (prompt,) = random_prompts([STREAMED_FLOAT32.stream_rows + 1], widened.vocab_size)
     runner.step([(runner.add_sequence(len(prompt)), prompt)])
     assert output_dtypes and set(output_dtypes) == {torch.bfloat16}
     assert all(cache.dtype == torch.bfloat16 and cache.abs().sum() > 0 for cache in runner.kv_caches)
