@@ -45,17 +45,16 @@ class SpeculativeConfig:
         """Whether a request's drafts can be verified. The workers check each draft position
         with the request's own sampling (temperature, top-k/p, min-p, logit bias, min_tokens);
         penalties, logprobs and grammars, which depend on the tokens before each position, are
-        not applied per draft position yet. A draft model's drafts are verified for greedy
-        requests only: a sampled one would need rejection sampling against the draft's
-        probabilities, which the workers do not keep."""
-        plain = (
+        not applied per draft position yet. Both proposers' drafts are deterministic (a match,
+        the draft model's argmax), so a point mass is their proposal distribution, which the
+        workers' verification makes exact for sampled requests too."""
+        return (
             params.logprobs is None
             and params.structured_outputs is None
             and params.presence_penalty == 0
             and params.frequency_penalty == 0
             and params.repetition_penalty == 1
         )
-        return plain and (self.method != "draft" or params.temperature == 0)
 
 
 class Proposer(Protocol):

@@ -4,9 +4,10 @@ A row scheduled with ``d`` drafts runs ``1 + d`` query tokens: its last token an
 The logits at each of those positions are sampled exactly as a one-token step at that output
 position would be (same temperature, top-k/p, min-p, bias and the same counter-based uniform),
 and the drafts are accepted while the sampled token equals them; the first sampled token that
-differs, or the one after the last draft, ends the row's step. For n-gram drafts (a point mass)
-this is rejection sampling: a draft ``x`` is kept with probability ``p(x)``, and a rejection
-samples ``p`` without ``x``, renormalised. So the output is the target's distribution, and a
+differs, or the one after the last draft, ends the row's step. Both proposers' drafts are a
+point mass (an n-gram match, the draft model's argmax), for which this is rejection sampling:
+a draft ``x`` is kept with probability ``p(x)``, and a rejection samples ``p`` without ``x``,
+renormalised. So the output is the target's distribution, and a
 seeded request draws the very tokens it would draw without drafts.
 """
 

@@ -58,14 +58,14 @@ def test_a_self_draft_with_every_layer_has_every_draft_accepted(target, expected
     assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
 
 
-def test_sampled_requests_get_no_draft_model_drafts_and_keep_their_tokens(target):
+def test_seeded_sampled_requests_with_a_self_draft_draw_the_tokens_they_draw_without(target):
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
     with LLM(target, skip_tokenizer=True, dtype="float32", executor="uni") as llm:
         plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     with LLM(target, skip_tokenizer=True, dtype="float32", executor="uni", speculative_method="draft",
              speculative_model=target, speculative_draft_layers=1) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == plain
-        assert llm.stats.spec_verifications == 0
+        assert llm.stats.spec_accepted_tokens > 0
 
 
 def test_a_draft_with_another_vocabulary_is_refused_before_start(target, tmp_path):
