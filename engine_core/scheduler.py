@@ -377,6 +377,10 @@ class Scheduler:
                 lora_draining |= limit is not None and request.lora_waits > limit
                 deferred.append(request)
                 continue
+            if self.kv.blocks_needed(request.num_tokens) > self.kv.num_blocks:
+                # Resumed with more tokens than the whole pool holds: it would wait forever.
+                self._finish_unfittable(request)
+                continue
             if loaded:
                 self._loaded.discard(request.request_id)
                 self.kv.cache_blocks(request, request.num_computed_tokens)

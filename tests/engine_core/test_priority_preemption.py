@@ -86,3 +86,17 @@ def test_steady_high_priority_stream_cannot_starve_a_low_priority_request(make_r
     assert results["low"].finish_reason == "length" and len(results["low"].token_ids) == 24
     assert all(r.finish_reason == "length" and len(r.token_ids) == 4 for k, r in results.items() if k != "low")
     assert low.num_preemptions < 20, "the boosted low request is not pushed out again and again"
+
+
+def test_a_request_preempted_holding_the_whole_pool_ends_with_error_instead_of_waiting_forever(make_request):
+    scheduler, runner = make_scheduler(num_blocks=7), FakeRunner(4)
+    low = make_request(10, request_id="low", priority=5, max_tokens=100, ignore_eos=True)
+    scheduler.add_request(low)
+    while low.num_computed_tokens < 28:
+        step(scheduler, runner, {}, {})
+    assert len(low.all_token_ids) == 29, "its next token needs an eighth block of a seven-block pool"
+    scheduler.add_request(make_request(4, request_id="high", priority=0, max_tokens=2))
+    results = run_to_completion(scheduler, runner)
+    assert low.num_preemptions == 1
+    assert results["low"].finish_reason == "error" and "even alone" in results["low"].message
+    assert results["high"].finish_reason == "length"

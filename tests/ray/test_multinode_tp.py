@@ -143,11 +143,13 @@ def test_a_node_cut_off_is_detected_by_the_step_timeout_naming_the_ranks_and_the
     if cut_off is lose_every_packet and (why := netem_unavailable()):
         pytest.skip(why)
     node = cluster.nodes[2]
-    both_silent = (
-        rf"worker rank 0 on node \S+, worker rank 1 on node \S+ did not answer step \d+ within {WORKER_TIMEOUT_S:.0f} s"
+    # Usually both ranks are silent (the other waits in an all-reduce); the other's reply can
+    # also have left before the cut.
+    silent = (
+        rf"(worker rank 0 on node \S+, )?worker rank \d on node \S+ did not answer step \d+ within {WORKER_TIMEOUT_S:.0f} s"
     )
     only_it_cut_off = (
         rf"worker rank \d on node {re.escape(node.address)} did not answer Ray within 2 s either: cut off from this node"
     )
     for error in errors_after(lambda: cut_off(cluster, node), model, cluster):
-        assert re.fullmatch(f"{both_silent}; {only_it_cut_off}", error), error
+        assert re.fullmatch(f"{silent}; {only_it_cut_off}", error), error

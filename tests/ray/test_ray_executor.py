@@ -25,13 +25,16 @@ def greedy_tokens(**engine_args) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def test_tp2_over_ray_actors_gives_the_greedy_tokens_of_tp1(ray_cluster):
-    single = greedy_tokens(executor="uni")
+@pytest.fixture(scope="module")
+def single() -> list[list[int]]:
+    return greedy_tokens(executor="uni")
+
+
+def test_tp2_over_ray_actors_gives_the_greedy_tokens_of_tp1(ray_cluster, single):
     assert greedy_tokens(executor="ray", tensor_parallel_size=2, ray_address=ray_cluster) == single
 
 
-def test_pp2_over_ray_actors_gives_the_greedy_tokens_of_one_rank(ray_cluster):
-    single = greedy_tokens(executor="uni")
+def test_pp2_over_ray_actors_gives_the_greedy_tokens_of_one_rank(ray_cluster, single):
     assert greedy_tokens(executor="ray", pipeline_parallel_size=2, ray_address=ray_cluster) == single
 
 
@@ -100,8 +103,7 @@ def test_without_an_address_a_private_cluster_serves_and_goes_with_the_engine():
     wait_until_none_left(lambda: live(started_by_engine))
 
 
-def test_two_replicas_on_ray_give_the_greedy_tokens_of_one_engine_with_a_placement_group_each(ray_cluster):
-    single = greedy_tokens(executor="uni")
+def test_two_replicas_on_ray_give_the_greedy_tokens_of_one_engine_with_a_placement_group_each(ray_cluster, single):
     with LLM(dtype="float32", executor="ray", data_parallel_size=2, ray_address=ray_cluster,
              dp_routing="round-robin") as llm:
         groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
