@@ -43,14 +43,14 @@ class SpeculativeConfig:
 
     def verifies(self, params: SamplingParams) -> bool:
         """Whether a request's drafts can be verified. The workers check each draft position
-        with the request's own sampling (temperature, top-k/p, min-p, logit bias, min_tokens);
-        penalties, logprobs and grammars, which depend on the tokens before each position, are
-        not applied per draft position yet. Both proposers' drafts are deterministic (a match,
-        the draft model's argmax), so a point mass is their proposal distribution, which the
-        workers' verification makes exact for sampled requests too."""
+        with the request's own sampling (temperature, top-k/p, min-p, logit bias, min_tokens)
+        and give each produced token its logprobs; penalties and grammars, which depend on the
+        tokens before each position, are not applied per draft position yet. Both proposers'
+        drafts are deterministic (a match, the draft model's argmax), so a point mass is their
+        proposal distribution, which the workers' verification makes exact for sampled
+        requests too."""
         return (
-            params.logprobs is None
-            and params.structured_outputs is None
+            params.structured_outputs is None
             and params.presence_penalty == 0
             and params.frequency_penalty == 0
             and params.repetition_penalty == 1

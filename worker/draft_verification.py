@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from strata.engine_core.protocol import TokenLogprobs
+
 
 @dataclass
 class DraftLayout:
@@ -48,3 +50,16 @@ class DraftLayout:
             mismatch = np.flatnonzero(np.asarray(tokens[:-1]) != row_drafts)
             produced[index] = tokens[: int(mismatch[0]) + 1] if len(mismatch) else tokens
         return produced
+
+    def logprobs_by_row(
+        self, logprobs: dict[int, TokenLogprobs], produced: dict[int, list[int]]
+    ) -> dict[int, list[TokenLogprobs]]:
+        """Per batch row, the logprobs of each token it produced, in order: a logits row's
+        sampled token is the one the row produced there, and positions past the first
+        rejected draft produced nothing. ``logprobs`` is by logits row, in ascending order."""
+        by_row: dict[int, list[TokenLogprobs]] = {}
+        for row, value in logprobs.items():
+            index = int(self.batch_index[row])
+            if index not in produced or self.offsets[row] < len(produced[index]):
+                by_row.setdefault(index, []).append(value)
+        return by_row

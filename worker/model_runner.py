@@ -189,9 +189,10 @@ class ModelRunner:
         produced: dict[int, list[int]] = {}
         if layout is not None:
             produced = layout.verify(sampled, drafts)
-            # Rows with logprobs never have drafts: each is its batch row's only logits row.
-            logprobs = {int(layout.batch_index[row]): value for row, value in logprobs.items()}
+            row_logprobs = layout.logprobs_by_row(logprobs, produced)
             sampled = sampled[layout.starts]
+        else:
+            row_logprobs = {row: [value] for row, value in logprobs.items()}
         done = self.batch.advance(rows, num_scheduled, sampled)
         for index, row_tokens in produced.items():
             self.batch.accept(int(rows[index]), row_tokens)
@@ -202,7 +203,7 @@ class ModelRunner:
             step=step.step,
             rank=self.config.rank,
             sampled_token_ids=pack_tokens(sampled.tolist()),
-            logprobs=logprobs,
+            logprobs=row_logprobs,
             kv_connector_output=self._finished_transfers(),
             prompt_logprobs=prompt_logprobs,
             verified_token_ids={index: pack_tokens(row_tokens) for index, row_tokens in produced.items()},
@@ -293,7 +294,9 @@ class ModelRunner:
     def _sampling_metadata(self, inputs: StepInputs, layout: DraftLayout | None) -> SamplingMetadata:
         """One row per logits row: a batch row's, or with drafts one per position it samples."""
         batch, rows = self.batch, inputs.rows
-        ends_its_tokens = batch.num_computed[rows] + inputs.num_scheduled == batch.num_tokens[rows]
+        # A row verifying drafts is scheduled its last token and the drafts placed after it.
+        pending = batch.num_tokens[rows] if layout is None else batch.num_tokens[rows] + layout.num_drafts
+        ends_its_tokens = batch.num_computed[rows] + inputs.num_scheduled == pending
         num_output = batch.num_tokens[rows] - batch.num_prompt[rows]
         if layout is not None:
             rows, ends_its_tokens = rows[layout.batch_index], ends_its_tokens[layout.batch_index]

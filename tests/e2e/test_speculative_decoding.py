@@ -87,3 +87,20 @@ def test_tiny_random_model_with_drafts_equals_without(cache, tmp_path, default_m
 def test_drafts_with_the_cpu_offload_tier_on_equal_decoding_without(plain):
     with LLM(executor="uni", dtype="float32", kv_offload_cpu_bytes=64 << 20, **NGRAM) as llm:
         assert token_ids(llm, PROMPTS, GREEDY) == token_ids(plain, PROMPTS, GREEDY)
+
+
+def test_logprobs_of_each_verified_token_equal_those_without_drafts(plain, speculative):
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, logprobs=3),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=24, logprobs=2),
+    ]
+    before = speculative.stats.spec_accepted_tokens
+    with_drafts = [o.outputs[0] for o in speculative.generate(PROMPTS[:1] * 2, params, use_tqdm=False)]
+    assert speculative.stats.spec_accepted_tokens > before
+    without = [o.outputs[0] for o in plain.generate(PROMPTS[:1] * 2, params, use_tqdm=False)]
+    for drafted, plain_output in zip(with_drafts, without):
+        assert drafted.token_ids == plain_output.token_ids
+        assert len(drafted.logprobs) == len(drafted.token_ids)
+        for got, expected in zip(drafted.logprobs, plain_output.logprobs):
+            assert list(got) == list(expected)
+            assert list(got.values()) == pytest.approx(list(expected.values()), abs=2e-3)
