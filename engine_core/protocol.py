@@ -246,8 +246,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag="step"):
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, tag="mask"):
-    """The next-token masks of a step's ``structured_rows``: packed int32, ``ceil(vocab / 32)``
-    words per row in that order; bit ``t % 32`` of word ``t // 32`` allows token ``t``."""
+    """The next-token masks of a step's ``structured_rows``, in that order: one for each
+    position a row samples (``1 +`` its drafts: after its last token, then after each draft).
+    Packed int32, ``ceil(vocab / 32)`` words per mask; bit ``t % 32`` of word ``t // 32``
+    allows token ``t``."""
 
     step: int
     bitmask: bytes

@@ -152,7 +152,7 @@ class Scheduler:
             frozenset() if params.ignore_eos or request.eos_token_id is None else {request.eos_token_id}
         )
         request.max_num_tokens = min(request.num_prompt_tokens + params.max_tokens, self.config.max_model_len)
-        request.speculate = self.proposer is not None and self.config.speculative.verifies(params)
+        request.speculate = self.proposer is not None
         self._arrivals += 1
         if self.config.policy == "priority":
             request.queue_key = (request.priority, request.arrival_time, self._arrivals)

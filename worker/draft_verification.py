@@ -39,6 +39,12 @@ class DraftLayout:
         hidden_index = query_start_loc[1:][batch_index] - per_row[batch_index] + offsets
         return cls(num_drafts, starts, batch_index, offsets, hidden_index)
 
+    def logits_rows(self, batch_rows: np.ndarray) -> np.ndarray:
+        """Every logits row of these batch rows, in order: each one's ``1 + num_drafts``."""
+        per_row = self.num_drafts[batch_rows] + 1
+        first = np.repeat(self.starts[batch_rows], per_row)
+        return first + np.arange(int(per_row.sum())) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+
     def verify(self, sampled: np.ndarray, drafts: dict[int, np.ndarray]) -> dict[int, list[int]]:
         """Per batch row with drafts, the tokens its step produced: the sampled token at each
         position while it equals the draft there, then the first that does not (or the one
