@@ -24,6 +24,7 @@ from strata.engine_core.protocol import (
     ModelRunnerOutput,
     SchedulerOutput,
     pack_handles,
+    unpack_tokens,
 )
 from strata.engine_core.request import Request
 from strata.engine_core.scheduler import Scheduler, SchedulerConfig
@@ -123,9 +124,11 @@ class EngineCore:
             self.scheduler.reject(request.request_id, f"request id {request.request_id!r} is already in use")
             return
         if self.structured is None:
-            from strata.engine_core.structured_output import StructuredOutputs
+            from strata.engine_core.structured_output import GrammarCheckedProposer, StructuredOutputs
 
             self.structured = StructuredOutputs(self.tokenizer_path, self.executor.vocab_size, request.eos_token_id)
+            if self.scheduler.proposer is not None:
+                self.scheduler.proposer = GrammarCheckedProposer(self.scheduler.proposer, self.structured)
         self._awaiting_grammar[request.request_id] = scheduled
         self.structured.submit(request.request_id, params.structured_outputs)
 
@@ -212,12 +215,12 @@ class EngineCore:
     def _schedule(self) -> tuple[SchedulerOutput, Callable[[], bytes] | None]:
         """The next step, and what fills its grammar masks if it has constrained rows."""
         scheduler_output = self.scheduler.schedule()
-        constrained = self._constrained_rows()
+        constrained = self._constrained_rows(scheduler_output)
         if not constrained:
             return scheduler_output, None
-        rows, request_ids = zip(*constrained)
+        rows, masked = zip(*constrained)
         scheduler_output.structured_rows = pack_handles(list(rows))
-        return scheduler_output, lambda: self._fill_bitmask(list(request_ids))
+        return scheduler_output, lambda: self._fill_bitmask(list(masked))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, so the next requests compute their prompts afresh (blocks
@@ -237,22 +240,25 @@ class EngineCore:
             del self._awaiting_grammar[request_id]
             self.scheduler.reject(request_id, reason)
 
-    def _constrained_rows(self) -> list[tuple[int, str]]:
-        """(batch position, request id) of the rows that sample under a grammar this step: a
-        prefill chunk that does not end its prompt samples nothing."""
+    def _constrained_rows(self, scheduler_output: SchedulerOutput) -> list[tuple[int, tuple[str, list[int]]]]:
+        """(batch position, (request id, drafts)) of the rows that sample under a grammar this
+        step: a prefill chunk that does not end its prompt samples nothing; a row verifying
+        drafts samples after its last token and after each draft."""
         if self.structured is None or not self.structured.matchers:
             return []
         matchers = self.structured.matchers
+        drafts = scheduler_output.cached.draft_token_ids
         return [
-            (row, request.request_id)
+            (row, (request.request_id, unpack_tokens(drafts[request.handle]).tolist() if request.num_drafts else []))
             for row, request in enumerate(self.scheduler.scheduled_requests)
-            if request.request_id in matchers and request.num_computed_tokens == len(request.all_token_ids)
+            if request.request_id in matchers
+            and request.num_computed_tokens == len(request.all_token_ids) + request.num_drafts
         ]
 
-    def _fill_bitmask(self, request_ids: list[str]) -> bytes:
+    def _fill_bitmask(self, rows: list[tuple[str, list[int]]]) -> bytes:
         assert self.structured is not None
         started = time.perf_counter()
-        bitmask = self.structured.fill_bitmask(request_ids)
+        bitmask = self.structured.fill_bitmask(rows)
         self.structured.mask_seconds += time.perf_counter() - started
         self.structured.mask_steps += 1
         return bitmask
@@ -267,6 +273,8 @@ class EngineCore:
             if request_id not in structured.matchers or request_id in finished_now:
                 continue
             verdict = structured.advance(request_id, token)
+            if verdict is not None:
+                finished_now.add(request_id)  # a verified step's later tokens, if any, are not fed
             if verdict == "stop":
                 stopped.append(request_id)
             elif verdict == "error":

@@ -154,12 +154,13 @@ class SchedulerStats(msgspec.Struct, array_like=True):
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="out"):
     """One step's results, as columns: ``new_token_ids[i]`` belongs to ``request_ids[i]`` (a
     request that verified drafts appears once per token, in order).
-    ``logprobs`` maps a request id to its new token's logprobs when it asked for them;
-    ``prompt_logprobs`` to the prompt positions this step computed, in order across steps."""
+    ``logprobs`` maps a request id that asked for them to its new tokens' logprobs, one per
+    token in order; ``prompt_logprobs`` to the prompt positions this step computed, in order
+    across steps."""
 
     request_ids: list[str] = []
     new_token_ids: list[int] = []
-    logprobs: dict[str, TokenLogprobs] = {}
+    logprobs: dict[str, list[TokenLogprobs]] = {}
     finished: list[FinishedRequest] = []
     stats: SchedulerStats | None = None
     prompt_logprobs: dict[str, PromptLogprobs] = {}
@@ -245,8 +246,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag="step"):
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, tag="mask"):
-    """The next-token masks of a step's ``structured_rows``: packed int32, ``ceil(vocab / 32)``
-    words per row in that order; bit ``t % 32`` of word ``t // 32`` allows token ``t``."""
+    """The next-token masks of a step's ``structured_rows``, in that order: one for each
+    position a row samples (``1 +`` its drafts: after its last token, then after each draft).
+    Packed int32, ``ceil(vocab / 32)`` words per mask; bit ``t % 32`` of word ``t // 32``
+    allows token ``t``."""
 
     step: int
     bitmask: bytes
@@ -264,13 +267,14 @@ class KVConnectorOutput(msgspec.Struct, array_like=True):
 class ModelRunnerOutput(msgspec.Struct, array_like=True, tag="out"):
     """A step's result from one rank. ``sampled_token_ids`` is packed int32, one per
     scheduled request in batch order (meaningless for a partial prefill chunk).
-    ``logprobs`` maps a batch row to its logprobs, ``prompt_logprobs`` a row to those of the
-    prompt positions its chunk computed."""
+    ``logprobs`` maps a batch row to the logprobs of each token it produced (one, or with
+    verified drafts one per ``verified_token_ids`` token, in order), ``prompt_logprobs`` a row
+    to those of the prompt positions its chunk computed."""
 
     step: int
     rank: int = 0
     sampled_token_ids: bytes = b""
-    logprobs: dict[int, TokenLogprobs] = {}
+    logprobs: dict[int, list[TokenLogprobs]] = {}
     kv_connector_output: KVConnectorOutput | None = None
     prompt_logprobs: dict[int, PromptLogprobs] = {}
     # Rows that verified drafts: every token their step produced (the accepted drafts, then the

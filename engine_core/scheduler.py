@@ -152,7 +152,7 @@ class Scheduler:
             frozenset() if params.ignore_eos or request.eos_token_id is None else {request.eos_token_id}
         )
         request.max_num_tokens = min(request.num_prompt_tokens + params.max_tokens, self.config.max_model_len)
-        request.speculate = self.proposer is not None and self.config.speculative.verifies(params)
+        request.speculate = self.proposer is not None
         self._arrivals += 1
         if self.config.policy == "priority":
             request.queue_key = (request.priority, request.arrival_time, self._arrivals)
@@ -589,7 +589,7 @@ class Scheduler:
             self._fail_adapters(runner_output.lora_load_errors)
         request_ids: list[str] = []
         new_token_ids: list[int] = []
-        logprobs: dict[str, TokenLogprobs] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
         # Before the tokens: a request that finishes this step still gets its last prompt logprobs.
         prompt_logprobs = self._new_prompt_logprobs(scheduled, runner_output) if runner_output.prompt_logprobs else {}
         verified = (
@@ -597,9 +597,13 @@ class Scheduler:
             if runner_output.verified_token_ids else {}
         )
         any_finished = False
+        num_taken: dict[str, int] = {}  # of a verified step's tokens, up to the one that stopped
         for request, token in zip(scheduled, tokens):
             if request.num_drafts:
-                any_finished |= self._accept_verified(request, verified[request.request_id], request_ids, new_token_ids)
+                num_taken[request.request_id] = taken = self._accept_verified(
+                    request, verified[request.request_id], request_ids, new_token_ids
+                )
+                any_finished |= taken > 0 and request.status != RUNNING
                 continue
             if request.num_computed_tokens < len(request.all_token_ids) or request.status != RUNNING:
                 continue  # a prefill chunk that does not end the prompt, or aborted meanwhile
@@ -611,7 +615,8 @@ class Scheduler:
             new_token_ids.append(token)
             any_finished |= self._append_token(request, token)
         for row, row_logprobs in runner_output.logprobs.items():
-            logprobs[scheduled[row].request_id] = row_logprobs
+            request_id = scheduled[row].request_id
+            logprobs[request_id] = row_logprobs[: num_taken[request_id]] if request_id in num_taken else row_logprobs
         if runner_output.draft_token_ids:
             self._receive_drafts(scheduled, runner_output.draft_token_ids)
         if any_finished:
@@ -657,26 +662,26 @@ class Scheduler:
 
     def _accept_verified(
         self, request: Request, produced: list[int], request_ids: list[str], new_token_ids: list[int]
-    ) -> bool:
+    ) -> int:
         """Take a verified step's tokens (the accepted drafts, then the model's own) one by one
-        until one stops the request; the rejected drafts' KV slots are given back. True if
-        the request finished."""
+        until one stops the request; the rejected drafts' KV slots are given back. Returns how
+        many it took."""
         num_drafts, request.num_drafts = request.num_drafts, 0
         if request.status != RUNNING:
-            return False  # aborted meanwhile
+            return 0  # aborted meanwhile
         num_accepted = len(produced) - 1
         self.spec.record(num_drafts, num_accepted)
         # Computed: every position but the newest token's; the rejected drafts' KV is garbage.
         request.num_computed_tokens -= num_drafts - num_accepted
-        for token in produced:
+        for taken, token in enumerate(produced, 1):
             request_ids.append(request.request_id)
             new_token_ids.append(token)
             if self._append_token(request, token):
-                return True
+                return taken
         kept = self.kv.free_tail(request, len(request.all_token_ids))
         if kept is not None:
             request.blocks_kept = kept
-        return False
+        return len(produced)
 
     @staticmethod
     def _new_prompt_logprobs(scheduled: list[Request], runner_output: ModelRunnerOutput) -> dict[str, PromptLogprobs]:

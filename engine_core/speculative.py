@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from strata.engine_core.request import Request
-from strata.engine_core.sampling_params import SamplingParams
 
 SPECULATIVE_METHODS = ("ngram", "draft")
 
@@ -40,21 +39,6 @@ class SpeculativeConfig:
             raise ValueError("speculative_model and speculative_draft_layers need speculative_method draft")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError(f"speculative_draft_layers must be >= 1, got {self.draft_layers}")
-
-    def verifies(self, params: SamplingParams) -> bool:
-        """Whether a request's drafts can be verified. The workers check each draft position
-        with the request's own sampling (temperature, top-k/p, min-p, logit bias, min_tokens);
-        penalties, logprobs and grammars, which depend on the tokens before each position, are
-        not applied per draft position yet. Both proposers' drafts are deterministic (a match,
-        the draft model's argmax), so a point mass is their proposal distribution, which the
-        workers' verification makes exact for sampled requests too."""
-        return (
-            params.logprobs is None
-            and params.structured_outputs is None
-            and params.presence_penalty == 0
-            and params.frequency_penalty == 0
-            and params.repetition_penalty == 1
-        )
 
 
 class Proposer(Protocol):

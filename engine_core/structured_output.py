@@ -17,7 +17,9 @@ import llguidance
 import llguidance.numpy as llguidance_numpy
 import numpy as np
 
+from strata.engine_core.request import Request
 from strata.engine_core.sampling_params import StructuredOutputsParams
+from strata.engine_core.speculative import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +35,9 @@ class StructuredOutputs:
     """Compiles constraints for a model's tokenizer and holds one matcher per request.
 
     ``submit`` starts a request's grammar; ``take_compiled`` hands back the requests whose
-    grammar is ready (or failed); ``fill_bitmask`` computes the next-token masks of a batch;
-    ``advance`` feeds each matcher its sampled token.
+    grammar is ready (or failed); ``draft_prefix`` says how many of a request's speculative
+    drafts its grammar accepts; ``fill_bitmask`` computes the next-token masks of a batch (one
+    per position a row samples); ``advance`` feeds each matcher its sampled token.
     """
 
     def __init__(self, tokenizer_json_path: str, vocab_size: int, eos_token_id: int | None) -> None:
@@ -110,12 +113,39 @@ class StructuredOutputs:
 
     # ---- per step -------------------------------------------------------------------------
 
-    def fill_bitmask(self, request_ids: list[str]) -> bytes:
-        """The packed next-token masks of these requests, one row each, in this order."""
-        bitmask = np.empty((len(request_ids), self.words_per_row), dtype=np.int32)
-        llguidance_numpy.fill_next_token_bitmask_par(
-            self._mask_pool, [(self.matchers[request_id], row) for row, request_id in enumerate(request_ids)], bitmask
-        )
+    def draft_prefix(self, request_id: str, drafts: list[int]) -> int:
+        """How many of ``drafts`` the request may verify: the longest prefix its grammar
+        accepts, short of a draft that completes the grammar (the token after it, which the
+        step would produce, is one the grammar forbids; the model samples that draft itself).
+        The matcher is left as it was."""
+        matcher = self.matchers[request_id]
+        consumed = 0
+        for token in drafts[: matcher.validate_tokens(drafts)]:
+            matcher.consume_token(token)
+            consumed += 1
+            if matcher.is_stopped():
+                matcher.rollback(consumed)
+                return consumed - 1
+        matcher.rollback(consumed)
+        return consumed
+
+    def fill_bitmask(self, rows: list[tuple[str, list[int]]]) -> bytes:
+        """The packed next-token masks of these (request id, drafts) rows, in this order: for
+        each, ``1 + len(drafts)`` masks, the one after its tokens, then the one after each of
+        its drafts (which ``draft_prefix`` accepted)."""
+        plain, drafted, start = [], [], 0
+        for request_id, drafts in rows:
+            # llguidance's draft variant refuses an empty draft list.
+            if drafts:
+                drafted.append((self.matchers[request_id], start, drafts))
+            else:
+                plain.append((self.matchers[request_id], start))
+            start += 1 + len(drafts)
+        bitmask = np.empty((start, self.words_per_row), dtype=np.int32)
+        if plain:
+            llguidance_numpy.fill_next_token_bitmask_par(self._mask_pool, plain, bitmask)
+        if drafted:
+            llguidance_numpy.fill_next_token_bitmask_par_with_draft_tokens(self._mask_pool, drafted, bitmask)
         return bitmask.tobytes()
 
     def advance(self, request_id: str, token_id: int) -> str | None:
@@ -136,6 +166,25 @@ class StructuredOutputs:
 
     def shutdown(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarCheckedProposer:
+    """The scheduler's proposer for an engine with grammars: a request under one gets only the
+    drafts its grammar accepts (``StructuredOutputs.draft_prefix``), so that each draft
+    position has a mask to sample under."""
+
+    def __init__(self, proposer: Proposer, structured: StructuredOutputs) -> None:
+        self.proposer = proposer
+        self.structured = structured
+
+    def propose(self, request: Request, max_drafts: int) -> list[int]:
+        drafts = self.proposer.propose(request, max_drafts)
+        if drafts and request.request_id in self.structured.matchers:
+            return drafts[: self.structured.draft_prefix(request.request_id, list(drafts))]
+        return drafts
+
+    def forget(self, request_id: str) -> None:
+        self.proposer.forget(request_id)
 
 
 def _grammar(params: StructuredOutputsParams) -> str:

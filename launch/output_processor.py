@@ -148,16 +148,19 @@ class OutputProcessor:
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
             metrics.num_generated_tokens += 1
-            logprobs = None
-            if state.want_logprobs and request_id in outputs.logprobs:
-                entry = outputs.logprobs[request_id]
-                logprobs = [dict(zip(entry.token_ids, entry.logprobs))]
-                completion.logprobs.extend(logprobs)
             text = state.detokenizer.append(token)
             completion.text += text
+            entries = outputs.logprobs.get(request_id) if state.want_logprobs else None
             delta = deltas.get(request_id)
             if delta is None:  # its first token this step (verified drafts bring several)
-                delta = deltas[request_id] = CompletionDelta(state.output.request_id, completion.index, "", [], logprobs, None)
+                delta = deltas[request_id] = CompletionDelta(
+                    state.output.request_id, completion.index, "", [], None if entries is None else [], None
+                )
+            if entries is not None and delta.logprobs is not None:
+                entry = entries[len(delta.token_ids)]  # one per token of this request this step, in order
+                logprob = dict(zip(entry.token_ids, entry.logprobs))
+                completion.logprobs.append(logprob)
+                delta.logprobs.append(logprob)
             delta.text += text
             delta.token_ids.append(token)
             if state.detokenizer.stop_reason is not None:

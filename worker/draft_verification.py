@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from strata.engine_core.protocol import TokenLogprobs
+
 
 @dataclass
 class DraftLayout:
@@ -37,6 +39,12 @@ class DraftLayout:
         hidden_index = query_start_loc[1:][batch_index] - per_row[batch_index] + offsets
         return cls(num_drafts, starts, batch_index, offsets, hidden_index)
 
+    def logits_rows(self, batch_rows: np.ndarray) -> np.ndarray:
+        """Every logits row of these batch rows, in order: each one's ``1 + num_drafts``."""
+        per_row = self.num_drafts[batch_rows] + 1
+        first = np.repeat(self.starts[batch_rows], per_row)
+        return first + np.arange(int(per_row.sum())) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+
     def verify(self, sampled: np.ndarray, drafts: dict[int, np.ndarray]) -> dict[int, list[int]]:
         """Per batch row with drafts, the tokens its step produced: the sampled token at each
         position while it equals the draft there, then the first that does not (or the one
@@ -48,3 +56,16 @@ class DraftLayout:
             mismatch = np.flatnonzero(np.asarray(tokens[:-1]) != row_drafts)
             produced[index] = tokens[: int(mismatch[0]) + 1] if len(mismatch) else tokens
         return produced
+
+    def logprobs_by_row(
+        self, logprobs: dict[int, TokenLogprobs], produced: dict[int, list[int]]
+    ) -> dict[int, list[TokenLogprobs]]:
+        """Per batch row, the logprobs of each token it produced, in order: a logits row's
+        sampled token is the one the row produced there, and positions past the first
+        rejected draft produced nothing. ``logprobs`` is by logits row, in ascending order."""
+        by_row: dict[int, list[TokenLogprobs]] = {}
+        for row, value in logprobs.items():
+            index = int(self.batch_index[row])
+            if index not in produced or self.offsets[row] < len(produced[index]):
+                by_row.setdefault(index, []).append(value)
+        return by_row

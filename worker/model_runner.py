@@ -181,7 +181,7 @@ class ModelRunner:
         if step.structured_rows:
             assert grammar_bitmask is not None, "a step with structured rows needs their bitmask"
             structured = np.frombuffer(step.structured_rows, dtype=np.uint16).astype(np.int64)
-            meta.grammar_rows = self._to_device(structured if layout is None else layout.starts[structured])
+            meta.grammar_rows = self._to_device(structured if layout is None else layout.logits_rows(structured))
             words = np.frombuffer(grammar_bitmask(), dtype=np.int32).reshape(len(meta.grammar_rows), -1).copy()
             meta.grammar_bitmask = self._to_device(words)
         tokens, logprobs = sample(logits, meta)
@@ -189,9 +189,10 @@ class ModelRunner:
         produced: dict[int, list[int]] = {}
         if layout is not None:
             produced = layout.verify(sampled, drafts)
-            # Rows with logprobs never have drafts: each is its batch row's only logits row.
-            logprobs = {int(layout.batch_index[row]): value for row, value in logprobs.items()}
+            row_logprobs = layout.logprobs_by_row(logprobs, produced)
             sampled = sampled[layout.starts]
+        else:
+            row_logprobs = {row: [value] for row, value in logprobs.items()}
         done = self.batch.advance(rows, num_scheduled, sampled)
         for index, row_tokens in produced.items():
             self.batch.accept(int(rows[index]), row_tokens)
@@ -202,7 +203,7 @@ class ModelRunner:
             step=step.step,
             rank=self.config.rank,
             sampled_token_ids=pack_tokens(sampled.tolist()),
-            logprobs=logprobs,
+            logprobs=row_logprobs,
             kv_connector_output=self._finished_transfers(),
             prompt_logprobs=prompt_logprobs,
             verified_token_ids={index: pack_tokens(row_tokens) for index, row_tokens in produced.items()},
@@ -293,11 +294,15 @@ class ModelRunner:
     def _sampling_metadata(self, inputs: StepInputs, layout: DraftLayout | None) -> SamplingMetadata:
         """One row per logits row: a batch row's, or with drafts one per position it samples."""
         batch, rows = self.batch, inputs.rows
-        ends_its_tokens = batch.num_computed[rows] + inputs.num_scheduled == batch.num_tokens[rows]
-        num_output = batch.num_tokens[rows] - batch.num_prompt[rows]
+        # A row verifying drafts is scheduled its last token and the drafts placed after it.
+        pending = batch.num_tokens[rows] if layout is None else batch.num_tokens[rows] + layout.num_drafts
+        ends_its_tokens = batch.num_computed[rows] + inputs.num_scheduled == pending
+        num_known = batch.num_tokens[rows]  # the tokens before each logits row's position
         if layout is not None:
             rows, ends_its_tokens = rows[layout.batch_index], ends_its_tokens[layout.batch_index]
-            num_output = num_output[layout.batch_index] + layout.offsets
+            # A draft position sees the drafts before it as output, as a one-token step there would.
+            num_known = num_known[layout.batch_index] + layout.offsets
+        num_output = num_known - batch.num_prompt[rows]
         vocab = self.model.vocab_size
         temperature = batch.temperature[rows]
         top_k = batch.top_k[rows]
@@ -317,7 +322,7 @@ class ModelRunner:
         )
         penalised = (batch.presence_penalty[rows] != 0) | (batch.frequency_penalty[rows] != 0) | (batch.repetition_penalty[rows] != 1)
         if penalised.any():
-            self._add_penalties(meta, rows)
+            self._add_penalties(meta, rows, num_known)
         banned = [
             (i, batch.stop_token_ids[row])
             for i, row in enumerate(rows.tolist())
@@ -335,12 +340,15 @@ class ModelRunner:
         meta.logit_bias = biased or None
         return meta
 
-    def _add_penalties(self, meta: SamplingMetadata, rows: np.ndarray) -> None:
+    def _add_penalties(self, meta: SamplingMetadata, rows: np.ndarray, num_known: np.ndarray) -> None:
+        """Token counts for the penalties of each logits row: its batch row's first
+        ``num_known`` tokens (drafts are placed after a row's tokens, so a draft position's
+        count includes the drafts before it)."""
         batch = self.batch
-        longest = int(batch.num_tokens[rows].max())
+        longest = int(num_known.max())
         tokens = self._to_device(batch.token_ids[rows, :longest])
         column = torch.arange(longest, device=self.device)[None, :]
-        known = column < self._to_device(batch.num_tokens[rows])[:, None]
+        known = column < self._to_device(num_known)[:, None]
         is_output = known & (column >= self._to_device(batch.num_prompt[rows])[:, None])
         vocab = self.model.vocab_size
         counts = torch.zeros(len(rows), vocab, device=self.device)

@@ -2,9 +2,12 @@
 equal (greedy, and seeded sampling, whose draws are keyed by output position), stop strings
 cut at the same place, the CPU offload tier on, and drafts really accepted."""
 
+import json
+
 import pytest
 
 from strata import LLM, SamplingParams
+from strata.engine_core.sampling_params import StructuredOutputsParams
 
 from model_factory import save_tiny_model, tiny_llama_config
 
@@ -35,6 +38,11 @@ def speculative():
 
 def token_ids(llm: LLM, prompts, params: SamplingParams) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def accepted(llm: LLM) -> int:
+    """Drafts the engine accepted so far (no stats before its first step)."""
+    return 0 if llm.stats is None else llm.stats.spec_accepted_tokens
 
 
 def test_greedy_tokens_equal_decoding_without_drafts(plain, speculative):
@@ -87,3 +95,51 @@ def test_tiny_random_model_with_drafts_equals_without(cache, tmp_path, default_m
 def test_drafts_with_the_cpu_offload_tier_on_equal_decoding_without(plain):
     with LLM(executor="uni", dtype="float32", kv_offload_cpu_bytes=64 << 20, **NGRAM) as llm:
         assert token_ids(llm, PROMPTS, GREEDY) == token_ids(plain, PROMPTS, GREEDY)
+
+
+def test_logprobs_of_each_verified_token_equal_those_without_drafts(plain, speculative):
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, logprobs=3),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=24, logprobs=2),
+    ]
+    before = accepted(speculative)
+    with_drafts = [o.outputs[0] for o in speculative.generate(PROMPTS[:1] * 2, params, use_tqdm=False)]
+    assert accepted(speculative) > before
+    without = [o.outputs[0] for o in plain.generate(PROMPTS[:1] * 2, params, use_tqdm=False)]
+    for drafted, plain_output in zip(with_drafts, without):
+        assert drafted.token_ids == plain_output.token_ids
+        assert len(drafted.logprobs) == len(drafted.token_ids)
+        for got, expected in zip(drafted.logprobs, plain_output.logprobs):
+            assert list(got) == list(expected)
+            assert list(got.values()) == pytest.approx(list(expected.values()), abs=2e-3)
+
+
+def test_penalised_requests_draw_the_same_tokens_as_without_drafts(plain, speculative):
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.05, presence_penalty=0.1),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=24, frequency_penalty=0.1),
+    ]
+    before = accepted(speculative)
+    assert token_ids(speculative, PROMPTS[:2], params) == token_ids(plain, PROMPTS[:2], params)
+    assert accepted(speculative) > before
+
+
+def test_constrained_requests_stay_valid_and_equal_decoding_without_drafts(plain, speculative):
+    record = '{"name":"Alice Smith","city":"Paris","age":31}'
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "city": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "city", "age"],
+        "additionalProperties": False,
+    }
+    prompts = [f"Copy the record.\nRecord: {record}\nCopy: {record}\nRecord: {record}\nCopy:", PROMPTS[1]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=json.dumps(schema))),
+        SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=r"( [0-9]+,){3,30}")),
+    ]
+    before = accepted(speculative)
+    drafted = [output.outputs[0] for output in speculative.generate(prompts, params, use_tqdm=False)]
+    assert accepted(speculative) > before
+    without = [output.outputs[0] for output in plain.generate(prompts, params, use_tqdm=False)]
+    assert [output.token_ids for output in drafted] == [output.token_ids for output in without]
+    assert set(json.loads(drafted[0].text)) == {"name", "city", "age"}

@@ -30,3 +30,20 @@ def test_unconstrained_tokens_are_the_same_with_constrained_requests_in_the_batc
         assert set(json.loads(mixed[0].outputs[0].text)) == {"n"}
     assert mixed[1].outputs[0].text in ("yes", "no")
     assert mixed[1].outputs[0].finish_reason == "stop"
+
+
+def test_drafts_are_cut_where_the_grammar_refuses_them_or_would_end(default_model_path):
+    from transformers import AutoTokenizer
+
+    from strata.engine_core.structured_output import StructuredOutputs
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path)
+    structured = StructuredOutputs(str(default_model_path / "tokenizer.json"), len(tokenizer), tokenizer.eos_token_id)
+    structured.submit("r", StructuredOutputsParams(regex="ab(c|d)e"))
+    structured.wait_for_compile(30)
+    assert structured.take_compiled() == (["r"], [])
+    a, b, c, e, x = tokenizer.convert_tokens_to_ids(list("abcex"))
+    assert structured.draft_prefix("r", [a, b, x, c]) == 2
+    assert structured.draft_prefix("r", [a, b, c, e]) == 3, "the draft that ends the grammar is the model's to sample"
+    assert structured.advance("r", a) is None, "the matcher is rolled back after each check"
+    structured.shutdown()

@@ -25,7 +25,7 @@ MESSAGES = [
     EngineCoreRequest("r1", [1, 2, 3], SamplingParams(temperature=0.5, stop=["x"]), 2, 12.5, 1),
     AbortRequests(["r1", "r2"]),
     EngineCoreOutputs(
-        ["r1"], [42], {"r1": TokenLogprobs([42, 7], [-0.1, -2.5])},
+        ["r1"], [42], {"r1": [TokenLogprobs([42, 7], [-0.1, -2.5])]},
         [FinishedRequest("r2", "error", "boom")], SchedulerStats(1, 2, 0.5, 10, 5, 0, 99),
     ),
     SchedulerOutput(
@@ -37,7 +37,7 @@ MESSAGES = [
         preempted_handles=[8],
         kv_connector_metadata=KVConnectorMetadata([BlockTransfer("t", [1], [2])], []),
     ),
-    ModelRunnerOutput(3, 1, pack_tokens([5, 6]), {0: TokenLogprobs([5], [-0.5])}, KVConnectorOutput(["a"], ["b"])),
+    ModelRunnerOutput(3, 1, pack_tokens([5, 6]), {0: [TokenLogprobs([5], [-0.5])]}, KVConnectorOutput(["a"], ["b"])),
 ]
 
 

@@ -4,7 +4,6 @@ get KV slots, rejected drafts give their slots back, and nothing passes a stop."
 
 from strata.engine_core.speculative import SpeculativeConfig
 from strata.engine_core.protocol import pack_tokens, unpack_tokens
-from strata.engine_core.sampling_params import SamplingParams
 from strata.engine_core.scheduler import Scheduler, SchedulerConfig
 from fake_runner import FakeRunner, run_to_completion, step
 
@@ -138,9 +137,3 @@ def test_drafts_the_workers_propose_are_scheduled_in_the_request_next_step(make_
     out, _ = step(scheduler, runner, {}, {})
     assert [unpack_tokens(packed).tolist() for packed in out.cached.draft_token_ids.values()] == [[12, 13, 14]]
     assert scheduler.spec.accepted_tokens == 3
-
-
-def test_sampled_requests_get_no_draft_model_drafts():
-    assert DRAFT.verifies(SamplingParams(temperature=0))
-    assert not DRAFT.verifies(SamplingParams(temperature=0.7))
-    assert NGRAM.verifies(SamplingParams(temperature=0.7))

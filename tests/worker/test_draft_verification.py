@@ -4,6 +4,7 @@ tokens it produces follow the target's distribution (chi-square over many seeded
 import numpy as np
 import torch
 
+from strata.engine_core.protocol import TokenLogprobs
 from strata.worker.draft_verification import DraftLayout
 from strata.worker.sampler import SamplingMetadata, sample
 
@@ -25,6 +26,18 @@ def test_drafts_are_kept_while_the_sampled_token_equals_them():
     sampled = np.array([7, 8, 9, 1, 7, 5, 9, 2, 6, 8, 9, 3])
     drafts = {0: np.array([7, 8, 9]), 1: np.array([7, 8, 9]), 2: np.array([7, 8, 9])}
     assert layout.verify(sampled, drafts) == {0: [7, 8, 9, 1], 1: [7, 5], 2: [6]}
+
+
+def test_a_constrained_row_gets_a_mask_row_for_each_position_it_samples():
+    layout = DraftLayout.build(np.array([0, 5, 8, 9]), np.array([0, 2, 0]))
+    assert layout.logits_rows(np.array([1, 2])).tolist() == [1, 2, 3, 4]
+
+
+def test_logprobs_after_a_rejected_draft_are_dropped():
+    layout = DraftLayout.build(np.array([0, 3, 4]), np.array([2, 0]))
+    logprobs = {row: TokenLogprobs([row], [-1.0]) for row in range(4)}
+    by_row = layout.logprobs_by_row(logprobs, {0: [7, 5]})
+    assert {index: [entry.token_ids[0] for entry in entries] for index, entries in by_row.items()} == {0: [0, 1], 1: [3]}
 
 
 def chi_square(observed: np.ndarray, probabilities: np.ndarray) -> float:
