@@ -1,7 +1,8 @@
 """Sampled requests with speculation on follow the target's distribution: over many seeded
 draws of a tiny-vocabulary model, the tokens at a drafted position and at the position after
 a kept draft pass a chi-square test against the probabilities HF computes on the same weights,
-for n-gram drafts and for a draft model's."""
+for n-gram drafts and for a draft model's; strongly penalised requests draw the very tokens
+they draw without drafts."""
 
 import numpy as np
 import pytest
@@ -68,3 +69,21 @@ def test_sampled_tokens_with_drafts_follow_the_targets_distribution(target, meth
     thirds = drawn[(drawn[:, 0] == first) & (drawn[:, 1] == second), 2]
     statistic, dof = chi_square(thirds, next_token_probabilities(model, PROMPT + [first, second]))
     assert statistic < CHI_SQUARE_AT_0_001[dof], "the third token given the most drawn first two"
+
+
+def test_strongly_penalised_sampled_requests_draw_the_tokens_they_draw_without_drafts(target):
+    # Penalties this strong move a draft position's distribution unless it counts the drafts
+    # before it, as a one-token step there would.
+    path, _ = target
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=24, ignore_eos=True, presence_penalty=0.5,
+                       frequency_penalty=1.0, repetition_penalty=1.3)
+        for seed in range(200)
+    ]
+    drawn = {}
+    for method in (None, "ngram"):
+        with LLM(path, skip_tokenizer=True, dtype="float32", executor="uni", speculative_method=method) as llm:
+            drawn[method] = [output.outputs[0].token_ids for output in llm.generate([PROMPT] * 200, params, use_tqdm=False)]
+            if method:
+                assert llm.stats.spec_accepted_tokens > 0
+    assert drawn["ngram"] == drawn[None]
