@@ -157,7 +157,7 @@ def test_while_reasoning_every_text_token_is_allowed_and_after_it_only_the_answe
 
 
 def allowed_tokens(structured: StructuredOutputs, request_id: str) -> set[int]:
-    words = memoryview(structured.fill_bitmask([request_id])).cast("i")
+    words = memoryview(structured.fill_bitmask([(request_id, [])])).cast("i")
     return {token for token in range(structured.vocab_size) if words[token // 32] >> (token % 32) & 1}
 
 
