@@ -2,7 +2,7 @@
 engine (``--executor mp``):
 
     python -m strata.launch.bench.pipeline [--batch 32] [--prompt-len 32] [--output-len 128]
-        [--model DIR] [--dtype float32] [--json OUT]
+        [--model DIR] [--dtype float32] [--pipeline-layer-partition 18,12] [--json OUT]
 
 Every run decodes ``--batch`` requests of ``--prompt-len`` tokens (greedy, EOS ignored) at once,
 after an untimed run of the same requests. Printed per layout (one rank, TP=2, PP=2):
@@ -40,7 +40,10 @@ class Measurement:
 def measure(layout: str, args: argparse.Namespace) -> Measurement:
     prompts = [[3 + (request * 7 + i) % 90 for i in range(args.prompt_len)] for request in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    with LLM(args.model, executor="mp", dtype=args.dtype, max_num_seqs=args.batch, **LAYOUTS[layout]) as llm:
+    engine_args = dict(LAYOUTS[layout])
+    if "pipeline_parallel_size" in engine_args and args.pipeline_layer_partition:
+        engine_args["pipeline_layer_partition"] = [int(n) for n in args.pipeline_layer_partition.split(",")]
+    with LLM(args.model, executor="mp", dtype=args.dtype, max_num_seqs=args.batch, **engine_args) as llm:
         llm.generate(prompts, params, use_tqdm=False)
         llm.reset_prefix_cache()
         before = llm.engine.call_utility("debug_state")
@@ -66,6 +69,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--model", default=None, help="default: the default model")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--pipeline-layer-partition", help="PP=2: layers per stage, e.g. 18,12 (default: balanced by layer count)"
+    )
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated: {', '.join(LAYOUTS)}")
     parser.add_argument("--json", type=Path, help="also write the measurements here")
     args = parser.parse_args()
