@@ -183,8 +183,6 @@ class NewRequestData(msgspec.Struct, array_like=True):
     num_computed_tokens: int
     num_scheduled_tokens: int
     lora_slot: int = -1  # the slot of the workers' adapter pool its tokens use; -1: none
-    # Drafts may be verified for it: with a draft model, the workers propose its next drafts.
-    speculate: bool = False
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -286,7 +284,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag="out"):
     # missing or changed since the frontend checked them): ``lora_id`` -> why.
     lora_load_errors: dict[int, str] = {}
     # Speculative decoding with a draft model: the drafts it proposed after this step for each
-    # decoding row (batch position) that may speculate, packed int32, for the row's next step.
+    # decoding row (batch position), packed int32, for the row's next step.
     draft_token_ids: dict[int, bytes] = {}
 
 

@@ -69,7 +69,6 @@ class Request:
     error: str | None = None
     stop_token_id: int | None = None
     num_prompt_logprobs_sent: int = 0  # prompt positions (from 1) whose logprobs went out
-    speculate: bool = False  # set at admission: drafts may be proposed for it
     num_drafts: int = 0  # drafts scheduled in the current step
     # Its block table's length after rejected drafts' blocks were given back, until the workers
     # hear it with the request's next scheduled step.

@@ -152,7 +152,6 @@ class Scheduler:
             frozenset() if params.ignore_eos or request.eos_token_id is None else {request.eos_token_id}
         )
         request.max_num_tokens = min(request.num_prompt_tokens + params.max_tokens, self.config.max_model_len)
-        request.speculate = self.proposer is not None
         self._arrivals += 1
         if self.config.policy == "priority":
             request.queue_key = (request.priority, request.arrival_time, self._arrivals)
@@ -267,6 +266,7 @@ class Scheduler:
         dropped = False
         # In a pipeline, this micro-batch takes its share of the running requests.
         share = -(-len(self.running) // self.config.pipeline_depth)
+        speculating = self.proposer is not None
         for request in self.running:
             if budget == 0 or len(handles) == share:
                 break
@@ -275,7 +275,7 @@ class Scheduler:
             computed = request.num_computed_tokens
             num_new = len(request.all_token_ids) - computed
             drafts = None
-            if num_new == 1 and request.speculate and budget > 1:
+            if num_new == 1 and speculating and budget > 1:
                 drafts = self._propose(request, budget - 1)
                 num_new += len(drafts)
             if num_new > budget:
@@ -464,7 +464,6 @@ class Scheduler:
                 num_computed_tokens=num_computed,
                 num_scheduled_tokens=num_new,
                 lora_slot=request.lora_slot,
-                speculate=request.speculate,
             )
         )
         request.num_computed_tokens = num_computed + num_new
@@ -634,7 +633,7 @@ class Scheduler:
             raise ValueError("the workers proposed drafts, but this engine's speculative method is not draft")
         for row, packed in draft_token_ids.items():
             request = scheduled[row]
-            if request.status == RUNNING and request.speculate:
+            if request.status == RUNNING:
                 self.worker_drafts.receive(request, unpack_tokens(packed).tolist())
 
     def _fail_adapters(self, errors: dict[int, str]) -> None:

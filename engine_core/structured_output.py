@@ -180,7 +180,7 @@ class GrammarCheckedProposer:
     def propose(self, request: Request, max_drafts: int) -> list[int]:
         drafts = self.proposer.propose(request, max_drafts)
         if drafts and request.request_id in self.structured.matchers:
-            return drafts[: self.structured.draft_prefix(request.request_id, list(drafts))]
+            return drafts[: self.structured.draft_prefix(request.request_id, drafts)]
         return drafts
 
     def forget(self, request_id: str) -> None:

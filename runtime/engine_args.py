@@ -131,8 +131,8 @@ class EngineArgs:
     scheduling_policy: str = flag("fcfs", choices=SCHEDULING_POLICIES)
     speculative_method: str | None = flag(
         None,
-        "ngram: draft tokens by prompt lookup; draft: by a smaller model (--speculative-model), greedy "
-        "requests only; either is verified in one forward (off by default)",
+        "ngram: draft tokens by prompt lookup; draft: by a smaller model (--speculative-model); either is "
+        "verified in one forward (off by default)",
         choices=SPECULATIVE_METHODS,
     )
     num_speculative_tokens: int = flag(3, "most drafts a request verifies per step", rule=at_least(1))

@@ -57,7 +57,6 @@ class InputBatch:
         self.logit_bias: list[dict[int, float] | None] = [None] * num_rows
         self.request_ids: list[str | None] = [None] * num_rows
         self.lora_slot = np.full(num_rows, -1, dtype=np.int64)  # -1: the base model
-        self.speculate = np.zeros(num_rows, dtype=bool)  # drafts may be verified for it
 
     def add(self, new: NewRequestData) -> None:
         row = new.handle
@@ -87,7 +86,6 @@ class InputBatch:
         self.stop_token_ids[row] = stop
         self.request_ids[row] = new.request_id
         self.lora_slot[row] = new.lora_slot
-        self.speculate[row] = new.speculate
 
     def remove(self, row: int) -> None:
         self.request_ids[row] = None

@@ -211,13 +211,13 @@ class ModelRunner:
         )
 
     def _propose_drafts(self, rows: np.ndarray, done: np.ndarray, produced: dict[int, list[int]]) -> dict[int, bytes]:
-        """The draft model's drafts, by batch position, for the rows that may speculate and
-        gained tokens this step (a sampled token, or a verified step's). Every rank runs the
-        draft (its TP shard); only the first sends them, the one the executor reads tokens from."""
+        """The draft model's drafts, by batch position, for the rows that gained tokens this step
+        (a sampled token, or a verified step's). Every rank runs the draft (its TP shard); only
+        the first sends them, the one the executor reads tokens from."""
         assert self.drafter is not None
         gained = done.copy()
         gained[list(produced)] = True
-        positions = np.flatnonzero(gained & self.batch.speculate[rows])
+        positions = np.flatnonzero(gained)
         if len(positions) == 0:
             return {}
         drafts = self.drafter.propose(self.batch, rows[positions])
