@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.kernels import cpu_linear, gguf_linear, native
+from strata.kernels import gguf_linear, native
 
 _i32, _i64, _ptr, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -71,12 +71,12 @@ def decode_step(
     seq_lens: torch.Tensor,
 ) -> Step | None:
     """The step's shared arguments for ``hidden`` ``[rows, hidden]``, or None when the fused halves
-    do not take it: more rows than the small-batch linear streams, or tensors off the CPU, of
-    another dtype or layout than the module path would hand the kernels."""
+    do not take it: tensors off the CPU, of another dtype or layout than the module path would
+    hand the kernels. (Whether the layers' linears take that many rows is the caller's check:
+    ``FusedDecoderLayer.max_rows``.)"""
     if (
         hidden.device.type != "cpu"
         or hidden.dim() != 2
-        or hidden.shape[0] > cpu_linear.MAX_ROWS
         or hidden.dtype not in native.DTYPE_CODES
         or not hidden.is_contiguous()
         or native.load_library() is None

@@ -18,10 +18,10 @@ from strata.kernels import native
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 TYPE_NAMES = {code: name for name, code in TYPES.items()}
 MAX_PARTS = 3
-# csrc/gguf_linear.c's layout of Q4_0 and Q4_1 rows interleaved INTERLEAVED_ROWS at a time, which
-# its kernel multiplies 16 rows per instruction in: the type code | INTERLEAVED.
+# csrc/gguf_linear.c's layout of Q4_0, Q4_1 and Q8_0 rows interleaved INTERLEAVED_ROWS at a time,
+# which its kernel multiplies 16 rows per instruction in: the type code | INTERLEAVED.
 INTERLEAVED, INTERLEAVED_ROWS = 0x100, 16
-_INTERLEAVABLE_BLOCK_BYTES = {TYPES["Q4_0"]: 18, TYPES["Q4_1"]: 20}  # blocks of 32 values
+_INTERLEAVABLE_BLOCK_BYTES = {TYPES["Q4_0"]: 18, TYPES["Q4_1"]: 20, TYPES["Q8_0"]: 34}  # blocks of 32 values
 
 _BODIES = {2: "AVX512-VNNI int16 dot products", 1: "AVX2 int16 dot products", 0: "portable C"}
 # csrc/gguf_linear.c's status codes.
@@ -43,7 +43,7 @@ class MatrixStruct(ctypes.Structure):
 class QuantizedPart:
     """Rows of a weight matrix as blocks of ggml type ``type``: ``data`` is uint8
     ``[rows, bytes per row]``, contiguous. An ``interleaved`` part's rows are not separable (its
-    ``data`` holds them 16 at a time): only a linear multiplies it, and dequantizes it whole."""
+    ``data`` holds them 16 at a time): a linear multiplies it, ``dequantize`` and ``lookup`` read it."""
 
     data: torch.Tensor
     type: int
@@ -59,7 +59,7 @@ class QuantizedPart:
 
 
 def interleaved(part: QuantizedPart) -> QuantizedPart:
-    """``part`` in the layout the Q4_0/Q4_1 kernel multiplies 16 rows at a time, where it takes
+    """``part`` in the layout the Q4_0/Q4_1/Q8_0 kernel multiplies 16 rows at a time, where it takes
     it (same bytes, rows interleaved in groups of 16); otherwise ``part`` itself."""
     if part.type not in _INTERLEAVABLE_BLOCK_BYTES or part.rows % INTERLEAVED_ROWS:
         return part
@@ -154,10 +154,27 @@ def dequantize_rows(part: QuantizedPart, in_features: int, out: torch.Tensor) ->
     if out.shape != (part.rows, in_features) or not out.is_contiguous() or out.dtype not in native.DTYPE_CODES:
         raise ValueError(f"dequantize_rows needs a contiguous [{part.rows}, {in_features}] float output")
     status = native.load_library().gguf_dequantize(
-        part.data.data_ptr(), part.type, part.rows, in_features, out.data_ptr(), native.DTYPE_CODES[out.dtype],
+        part.data.data_ptr(), part.type, part.rows, in_features, None, out.data_ptr(), native.DTYPE_CODES[out.dtype],
         torch.get_num_threads(),
     )
     _raise_for(status)
+
+
+def lookup(part: QuantizedPart, in_features: int, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float values of ``part``'s rows ``ids`` (int64, any shape; each in ``[0, rows)``),
+    ``[*ids.shape, in_features]`` in ``dtype``: an embedding lookup on blocks, either layout."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < part.rows:
+        raise IndexError(f"row ids must lie in [0, {part.rows})")
+    if dtype not in native.DTYPE_CODES:
+        raise ValueError(f"lookup needs a float dtype of {', '.join(map(str, native.DTYPE_CODES))}, got {dtype}")
+    out = torch.empty(flat.numel(), in_features, dtype=dtype)
+    status = native.load_library().gguf_dequantize(
+        part.data.data_ptr(), part.type, flat.numel(), in_features, flat.data_ptr(), out.data_ptr(),
+        native.DTYPE_CODES[dtype], torch.get_num_threads(),
+    )
+    _raise_for(status)
+    return out.view(*ids.shape, in_features)
 
 
 def _raise_for(status: int) -> None:

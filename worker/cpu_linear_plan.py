@@ -31,7 +31,7 @@ from strata.worker.parallel_state import TensorParallel
 from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, linear
 
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32)
-QUANTIZED_CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+QUANTIZED_CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SAMPLE_FEATURES = 1024  # output features of the timed slice: the per-weight cost, in a few ms
 TIMED_REPEATS = 5
 
@@ -138,59 +138,73 @@ def _crossover(
 
 @dataclass(frozen=True)
 class QuantizedLinearPlan:
-    """Up to how many rows a step multiplies the GGUF blocks as stored (``block_rows``); larger
-    steps dequantize each weight for the step and run the GEMM in the activations' dtype."""
+    """Up to how many rows a step multiplies GGUF blocks as stored, by block type
+    (``block_rows``: ggml type code -> rows); larger steps dequantize the weight for the step and
+    run the GEMM in the activations' dtype. Types differ: a Q8_0 head decodes cheaply in the block
+    kernel but costs more to dequantize than a Q4 linear, so its crossover lies further out."""
 
-    block_rows: int
+    block_rows: dict[int, int]
     dtype: torch.dtype
     reason: str
 
+    def rows_for(self, matrix: gguf_linear.QuantizedMatrix) -> int:
+        """The rows up to which ``matrix`` multiplies its blocks: its parts' smallest crossover."""
+        return min(self.block_rows[part.base_type] for part in matrix.parts)
+
     def describe(self) -> str:
+        rows = ", ".join(f"{rows} ({gguf_linear.TYPE_NAMES[code]})" for code, rows in self.block_rows.items())
         gemm = f"dequantize each weight for the step and run the {str(self.dtype).removeprefix('torch.')} GEMM"
-        return f"steps of <= {self.block_rows} rows multiply the blocks ({gguf_linear.body()}), larger ones {gemm} ({self.reason})"
+        return f"steps of at most {rows} rows multiply the blocks ({gguf_linear.body()}), larger ones {gemm} ({self.reason})"
 
 
 def plan_quantized_linears(model: nn.Module, dtype: torch.dtype, tp: TensorParallel) -> QuantizedLinearPlan | None:
     """The plan for a model whose linears keep GGUF blocks (``tp_layers.QuantizedWeight``), or
-    None where none does: the crossover of ``QUANTIZED_CANDIDATE_ROWS`` between the block kernel
-    and dequantize-then-GEMM, timed on a slice of the largest such linear."""
-    weights = [
-        module.quantized
-        for module in model.modules()
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.quantized is not None
-    ]
-    if not weights:
+    None where none does: for each block type, the crossover of ``QUANTIZED_CANDIDATE_ROWS``
+    between the block kernel and dequantize-then-GEMM, timed on a slice of the largest part of
+    that type (the layouts as held: interleaved where the layer holds them so)."""
+    largest: dict[int, tuple[gguf_linear.QuantizedPart, int]] = {}  # type -> (part, its in_features)
+    for module in model.modules():
+        if isinstance(module, PlannedLinear) and module.quantized is not None:
+            for part in module.quantized.matrix.parts:
+                held = largest.get(part.base_type)
+                if held is None or part.data.numel() > held[0].data.numel():
+                    largest[part.base_type] = (part, module.quantized.matrix.in_features)
+    if not largest:
         return None
-    largest = max(weights, key=lambda weight: weight.matrix.out_features * weight.matrix.in_features).matrix
-    first = largest.parts[0]
-    sample = gguf_linear.QuantizedMatrix(
-        [gguf_linear.QuantizedPart(first.data[:SAMPLE_FEATURES].contiguous(), first.type)], largest.in_features
-    )
-    block_rows, timings = _crossover(
-        QUANTIZED_CANDIDATE_ROWS,
-        sample.in_features,
-        dtype,
-        lambda x: gguf_linear.linear(x, sample),
-        lambda x: F.linear(x, gguf_linear.dequantize(sample, dtype)),
-        tp,
-    )
-    # A dequantization reads the blocks and writes 2-4x their bytes: at one row it cannot win, and
-    # where timings on a busy machine say otherwise they are noise.
-    block_rows = max(block_rows, 1)
-    measured = ", ".join(f"{rows}: {small * 1e6:.0f}/{large * 1e6:.0f}" for rows, small, large in timings)
-    reason = f"us blocks/dequantize+GEMM by rows on [{first.data[:SAMPLE_FEATURES].shape[0]}, {sample.in_features}] {gguf_linear.TYPE_NAMES[first.base_type]}: {measured}"
-    return QuantizedLinearPlan(block_rows, dtype, reason)
+    block_rows, measured = {}, []
+    for code, (part, in_features) in sorted(largest.items()):
+        sample = gguf_linear.QuantizedMatrix([gguf_linear.QuantizedPart(part.data[:SAMPLE_FEATURES].contiguous(), part.type)], in_features)
+        rows, timings = _crossover(
+            QUANTIZED_CANDIDATE_ROWS,
+            in_features,
+            dtype,
+            lambda x: gguf_linear.linear(x, sample),
+            lambda x: F.linear(x, gguf_linear.dequantize(sample, dtype)),
+            tp,
+        )
+        # A dequantization reads the blocks and writes 2-4x their bytes: at one row it cannot win,
+        # and where timings on a busy machine say otherwise they are noise.
+        block_rows[code] = max(rows, 1)
+        shape = [sample.out_features, in_features]
+        measured.append(f"{gguf_linear.TYPE_NAMES[code]} {shape}: " + ", ".join(
+            f"{rows}: {small * 1e6:.0f}/{large * 1e6:.0f}" for rows, small, large in timings
+        ))
+    return QuantizedLinearPlan(block_rows, dtype, "us blocks/dequantize+GEMM by rows on " + "; ".join(measured))
 
 
 def apply_quantized_linear_plan(model: nn.Module, plan: QuantizedLinearPlan) -> None:
-    """Let every GGUF-block linear (the LM head too) multiply the blocks in steps of up to
-    ``plan.block_rows`` rows, and the Llama decoder layers run those steps as fused C calls."""
+    """Let every GGUF-block linear (the LM head too) multiply the blocks in steps of up to its
+    types' rows, and the Llama decoder layers run the steps all their linears take as fused C
+    calls."""
+    layer_rows = []
     for module in model.modules():
         quantized = getattr(module, "quantized", None)
         if isinstance(module, PlannedLinear) and quantized is not None:
-            quantized.max_rows = plan.block_rows
-    if plan.block_rows:
-        fuse_cpu_decode_layers(model, plan.block_rows)
+            quantized.max_rows = plan.rows_for(quantized.matrix)
+            if not isinstance(module, ParallelLMHead):
+                layer_rows.append(quantized.max_rows)
+    if layer_rows:
+        fuse_cpu_decode_layers(model, min(layer_rows))
 
 
 def apply_cpu_linear_plan(model: nn.Module, plan: CpuLinearPlan) -> None:

@@ -4,8 +4,9 @@ gate_up, SwiGLU and down in the other; the tensor-parallel all-reduce after each
 
 ``fuse_cpu_decode_layers`` gives each layer whose modules those calls reproduce exactly its
 ``FusedDecoderLayer``. The layer runs it in the steps the model has a ``cpu_decoder_layer.Step``
-for (``LlamaModel.fused_step``: at most the plan's ``stream_rows``, see
-``worker/cpu_linear_plan.py``) and its modules in the others. A rank alone in its
+for (``LlamaModel.fused_step``: at most the plan's ``stream_rows`` on streamed bfloat16
+weights, its block types' rows on GGUF blocks, see ``worker/cpu_linear_plan.py``) and its
+modules in the others. A rank alone in its
 tensor-parallel group, all of whose layers are fused, runs them all in one call instead
 (``FusedDecoderStack``): no all-reduce separates the halves, so no Python needs to run between
 them either.
@@ -138,7 +139,8 @@ def fused_decoder_layer(layer: LlamaDecoderLayer, max_rows: int) -> FusedDecoder
             eps=post_attention_norm.eps,
         ),
         tp=attn.o_proj.tp,  # the MLP's down_proj sums over the same group
-        max_rows=min(max_rows, cpu_linear.MAX_ROWS),
+        # The streaming kernel takes at most cpu_linear.MAX_ROWS rows; the block kernel any number.
+        max_rows=max_rows if all(weight.quantized for weight in weights) else min(max_rows, cpu_linear.MAX_ROWS),
         biases=(qkv_bias, gate_up_bias),
     )
 

@@ -287,10 +287,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.quantized is None:
             return F.embedding(local_ids, self.weight)
         [part] = self.quantized.matrix.parts
-        looked_up = gguf_linear.QuantizedPart(part.data.index_select(0, local_ids.flatten()), part.type)
-        out = torch.empty(looked_up.rows, self.hidden_size, dtype=self.dtype)
-        gguf_linear.dequantize_rows(looked_up, self.hidden_size, out)
-        return out.view(*local_ids.shape, self.hidden_size)
+        return gguf_linear.lookup(part, self.hidden_size, local_ids, self.dtype)
 
     def load_weight(self, name: str, source: "TensorSource | GgufTensor") -> None:
         """Copy this rank's vocabulary rows (a ``GgufTensor``'s: keep their blocks, and look up
@@ -302,7 +299,7 @@ class VocabParallelEmbedding(nn.Module):
             blocks = source.rows(slice(self.vocab_start, self.vocab_end))
             padded = torch.zeros(self.rows_per_rank, blocks.shape[1], dtype=torch.uint8)
             padded[:rows] = blocks
-            part = gguf_linear.QuantizedPart(padded, source.type)
+            part = gguf_linear.interleaved(gguf_linear.QuantizedPart(padded, source.type))
             self.quantized = QuantizedWeight(gguf_linear.QuantizedMatrix([part], self.hidden_size))
             self.weight = None
             return

@@ -17,8 +17,9 @@
  * are 128 times closer, and their dot product costs the same instructions per run (the weights
  * widened to 16 bits, vpmaddwd) as int8's (the halves joined, vpdpbusd).
  *
- * Q4_0 and Q4_1 linears (the default model's) are held in gguf_interleave's layout instead, rows
- * interleaved 16 at a time, which interleaved_part multiplies 16 rows per instruction (below).
+ * Q4_0, Q4_1 and Q8_0 linears (the default model's, its tied LM head included) are held in
+ * gguf_interleave's layout instead, rows interleaved 16 at a time, which interleaved_matrix
+ * multiplies 16 rows per instruction (below).
  *
  * The dot product has three bodies, chosen when the library is built for the CPU: AVX512-VNNI
  * (vpdpwssd adds the second half's products in the same instruction), AVX2 (vpmaddwd, vpaddd),
@@ -41,12 +42,13 @@
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
        GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
 enum { RUN = 32, SUPER = 256, MAX_FEATURES = 2, MAX_ROW_GROUP = 4, PREFETCH_AHEAD = 8 };
-/* gguf_interleave's layout of Q4_0 and Q4_1 rows, GROUP rows at a time: the type code | INTERLEAVED. */
+/* gguf_interleave's layout of Q4_0, Q4_1 and Q8_0 rows, GROUP rows at a time: the type code | INTERLEAVED. */
 enum { INTERLEAVED = 0x100, GROUP = 16, GROUP_PREFETCH_BYTES = 4096 };
 enum { GGUF_OK = 0, GGUF_NO_MEMORY = -1, GGUF_UNSUPPORTED_TYPE = -2, GGUF_BAD_SHAPE = -3 };
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x32 __attribute__((vector_size(32)));
 typedef int16_t i16x16 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef float f32x8 __attribute__((vector_size(32)));
@@ -233,7 +235,7 @@ int gguf_linear_body(void)
 #endif
 }
 
-static int interleavable(int type) { return type == GGML_Q4_0 || type == GGML_Q4_1; }
+static int interleavable(int type) { return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0; }
 
 /* Values per block and bytes per block of `type`, or 0 for a type without a kernel. */
 static int64_t block_values(int type)
@@ -407,17 +409,18 @@ static void linear_part(
 #undef FEATURES
 }
 
-/* ---- Q4_0 and Q4_1 rows interleaved GROUP at a time ---------------------------------------
+/* ---- Q4_0, Q4_1 and Q8_0 rows interleaved GROUP at a time ----------------------------------
  * One weight row per 32-bit lane. For each run of 32 values a group holds its 16 rows' scales d
- * (float16), their minimums m (Q4_1), then 256 bytes of nibbles laid out so that four 64-byte
- * loads, each split into the four nibbles of its 16-bit words, give 16 vectors P_0 .. P_15 whose
- * lane l holds row l's values 2p and 2p + 1. One pair-wise dot-product instruction then
+ * (float16), their minimums m (Q4_1), then the values, laid out so that 16 vectors P_0 .. P_15
+ * come out whose lane l holds row l's values 2p and 2p + 1 as two int16: for Q4, 256 bytes of
+ * nibbles, four 64-byte loads each split into the four nibbles of its 16-bit words; for Q8_0,
+ * 512 bytes, P_p the 32 signed bytes at 32p widened. One pair-wise dot-product instruction then
  * multiplies all 16 rows by the activations' pair p, broadcast, and no sum across lanes is ever
  * needed: a row costs a sixteenth of the decoding and scaling the row-at-a-time kernel does. */
 
 static int64_t scale_bytes(int base) { return base == GGML_Q4_1 ? 4 * GROUP : 2 * GROUP; }
 
-/* Where value v of row l of a group's run lives: byte (the returned offset into the nibbles) and
+/* Where value v of row l of a group's run lives: byte (the returned offset into the values) and
  * bit shift (*shift). */
 static inline int nibble_at(int l, int v, int *shift)
 {
@@ -426,42 +429,56 @@ static inline int nibble_at(int l, int v, int *shift)
     return 64 * c + 2 * (2 * l + s) + k / 2;
 }
 
-/* out = `rows` rows of `type` blocks (Q4_0 or Q4_1) in the interleaved layout (same size). */
+/* Where value v of row l of a Q8_0 group's run lives, from the start of its values. */
+static inline int byte_at(int l, int v) { return 32 * (v / 2) + 2 * l + v % 2; }
+
+/* out = `rows` rows of `type` blocks (Q4_0, Q4_1 or Q8_0) in the interleaved layout (same size). */
 int gguf_interleave(const uint8_t *data, int type, int64_t rows, int64_t cols, uint8_t *out)
 {
     if (!interleavable(type)) return GGUF_UNSUPPORTED_TYPE;
     if (cols % RUN || rows % GROUP) return GGUF_BAD_SHAPE;
     const int64_t blocks = cols / RUN, bytes = block_bytes(type), row_bytes = blocks * bytes;
-    const int header = type == GGML_Q4_1 ? 4 : 2; /* d (and m) before a block's nibbles */
+    const int header = type == GGML_Q4_1 ? 4 : 2; /* d (and m) before a block's values */
     memset(out, 0, (size_t)(rows * row_bytes));
     for (int64_t g = 0; g < rows / GROUP; g++)
         for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *group = out + g * GROUP * row_bytes + b * GROUP * bytes, *nibbles = group + scale_bytes(type);
+            uint8_t *group = out + g * GROUP * row_bytes + b * GROUP * bytes, *values = group + scale_bytes(type);
             for (int l = 0; l < GROUP; l++) {
                 const uint8_t *block = data + (g * GROUP + l) * row_bytes + b * bytes;
                 memcpy(group + 2 * l, block, 2);
                 if (type == GGML_Q4_1) memcpy(group + 2 * GROUP + 2 * l, block + 2, 2);
+                if (type == GGML_Q8_0) {
+                    for (int v = 0; v < RUN; v++) values[byte_at(l, v)] = block[header + v];
+                    continue;
+                }
                 for (int v = 0; v < RUN; v++) {
                     int shift;
                     const int u = v < 16 ? block[header + v] & 0xF : block[header + v - 16] >> 4;
-                    nibbles[nibble_at(l, v, &shift)] |= (uint8_t)(u << shift);
+                    values[nibble_at(l, v, &shift)] |= (uint8_t)(u << shift);
                 }
             }
         }
     return GGUF_OK;
 }
 
-/* Row l's run in a group's run of the interleaved layout, decoded (for the dequantization). Lane
- * l of the c-th 64 bytes of nibbles is the 32-bit word holding the row's values 8c .. 8c + 7,
+/* Row l's run in a group's run of the interleaved layout, decoded (for the dequantization). Q4:
+ * lane l of the c-th 64 bytes of nibbles is the 32-bit word holding the row's values 8c .. 8c + 7,
  * value 8c + 2k + s at bit 16s + 4k. */
 static void decode_interleaved_run(int base, const uint8_t *group, int l, struct DecodedRun *r)
 {
-    const uint8_t *nibbles = group + scale_bytes(base);
+    const uint8_t *values = group + scale_bytes(base);
+    if (base == GGML_Q8_0) { /* the byte pairs at 32p + 2l are the row's values 2p, 2p + 1 */
+        uint16_t pairs[RUN / 2];
+        for (int p = 0; p < RUN / 2; p++) memcpy(&pairs[p], values + byte_at(l, 2 * p), sizeof pairs[p]);
+        memcpy(r->u, pairs, sizeof pairs);
+        uniform(r, half_at(group + 2 * l), 0.f, 0);
+        return;
+    }
     const u32x16 shifts = {0, 16, 4, 20, 8, 24, 12, 28, 0, 16, 4, 20, 8, 24, 12, 28};
     for (int h = 0; h < 2; h++) {
         uint32_t first, second;
-        memcpy(&first, nibbles + 64 * (2 * h) + 4 * l, sizeof first);
-        memcpy(&second, nibbles + 64 * (2 * h + 1) + 4 * l, sizeof second);
+        memcpy(&first, values + 64 * (2 * h) + 4 * l, sizeof first);
+        memcpy(&second, values + 64 * (2 * h + 1) + 4 * l, sizeof second);
         const u32x16 words = {first, first, first, first, first, first, first, first,
                               second, second, second, second, second, second, second, second};
         r->u[h] = __builtin_convertvector((words >> shifts) & 0xF, u8x16);
@@ -514,13 +531,23 @@ static inline __attribute__((always_inline)) void group_dots(
     const int64_t bytes = GROUP * block_bytes(base);
     for (int r = 0; r < rows; r++) acc[r] = (f32x16){0};
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *run = group + b * bytes, *nibbles = run + scale_bytes(base);
+        const uint8_t *run = group + b * bytes, *values = run + scale_bytes(base);
         for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(run + GROUP_PREFETCH_BYTES + line, 0, 0);
         i32x16 dot[MAX_ROW_GROUP];
         for (int r = 0; r < rows; r++) dot[r] = (i32x16){0};
-        for (int c = 0; c < 4; c++) {
+        for (int p = 0; base == GGML_Q8_0 && p < RUN / 2; p++) {
+            i8x32 signed_bytes;
+            memcpy(&signed_bytes, values + 32 * p, sizeof signed_bytes);
+            const i16x32 w = __builtin_convertvector(signed_bytes, i16x32);
+            for (int r = 0; r < rows; r++) {
+                int32_t pair;
+                memcpy(&pair, (const int16_t *)x[(row0 + r) * runs_per_row + b].q + 2 * p, sizeof pair);
+                dot[r] = dot_pair(dot[r], w, pair);
+            }
+        }
+        for (int c = 0; base != GGML_Q8_0 && c < 4; c++) {
             u16x32 words;
-            memcpy(&words, nibbles + 64 * c, sizeof words);
+            memcpy(&words, values + 64 * c, sizeof words);
             for (int k = 0; k < 4; k++) {
                 const i16x32 w = (i16x32)((words >> (4 * k)) & 0xF);
                 for (int r = 0; r < rows; r++) {
@@ -534,7 +561,8 @@ static inline __attribute__((always_inline)) void group_dots(
         const f32x16 m = base == GGML_Q4_1 ? halves_to_floats(run + 2 * GROUP) : d * -8.f;
         for (int r = 0; r < rows; r++) {
             const struct QuantizedRun *a = &x[(row0 + r) * runs_per_row + b];
-            acc[r] += __builtin_convertvector(dot[r], f32x16) * (d * a->d) + m * a->scaled_total;
+            acc[r] += __builtin_convertvector(dot[r], f32x16) * (d * a->d);
+            if (base != GGML_Q8_0) acc[r] += m * a->scaled_total;
         }
     }
 }
@@ -560,6 +588,8 @@ static void interleaved_group(
     }
         if (base == GGML_Q4_1) {
             BY_ROWS(GGML_Q4_1)
+        } else if (base == GGML_Q8_0) {
+            BY_ROWS(GGML_Q8_0)
         } else {
             BY_ROWS(GGML_Q4_0)
         }
@@ -671,26 +701,28 @@ static inline void store_lanes(vfloat value, int dtype, char *out)
 }
 
 /* out = the float values of `rows` rows of `cols` values each, stored as `type` blocks, rounded
- * to `out_dtype`: exactly ggml's float32 dequantization (half_run_values). The weights hold no
- * NaN (bfloat16 rounding here does not keep one quiet, unlike dtypes.h's). */
-int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, void *out, int out_dtype,
-                    int num_threads)
+ * to `out_dtype`: exactly ggml's float32 dequantization (half_run_values). With `ids`, out's row
+ * n is stored row ids[n] (an embedding lookup; the caller checks the ids), else stored row n. The
+ * weights hold no NaN (bfloat16 rounding here does not keep one quiet, unlike dtypes.h's). */
+int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, const int64_t *ids, void *out,
+                    int out_dtype, int num_threads)
 {
     if (!block_values(type)) return GGUF_UNSUPPORTED_TYPE;
-    if (cols % block_values(type) || (type & INTERLEAVED && rows % GROUP)) return GGUF_BAD_SHAPE;
+    if (cols % block_values(type) || (type & INTERLEAVED && !ids && rows % GROUP)) return GGUF_BAD_SHAPE;
     const int base = type & ~INTERLEAVED;
     const int64_t runs_per_row = cols / RUN, runs_per_block = block_values(type) / RUN;
     const int64_t row_bytes = cols / block_values(type) * block_bytes(type);
     const size_t item = dtype_size(out_dtype);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t n = 0; n < rows; n++) {
+        const int64_t stored = ids ? ids[n] : n;
         for (int64_t k = 0; k < runs_per_row; k++) {
             struct DecodedRun run;
             if (type & INTERLEAVED)
-                decode_interleaved_run(base, data + (n / GROUP * runs_per_row + k) * GROUP * block_bytes(base),
-                                       (int)(n % GROUP), &run);
+                decode_interleaved_run(base, data + (stored / GROUP * runs_per_row + k) * GROUP * block_bytes(base),
+                                       (int)(stored % GROUP), &run);
             else
-                decode_run(type, data + n * row_bytes + k / runs_per_block * block_bytes(type),
+                decode_run(type, data + stored * row_bytes + k / runs_per_block * block_bytes(type),
                            (int)(k % runs_per_block), &run);
             char *destination = (char *)out + (n * cols + k * RUN) * item;
             store_lanes(half_run_values(base, &run, 0), out_dtype, destination);

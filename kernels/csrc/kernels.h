@@ -31,7 +31,7 @@ int small_batch_linear_avx512bf16(
 int small_batch_linear_body(void);
 /* A weight matrix in GGUF's quantized blocks: up to three row ranges stacked (a merged q/k/v or
  * gate/up whose parts the file stores in different types), each of `rows[p]` rows of `types[p]`
- * blocks (ggml's type codes; Q4_0 and Q4_1 | 0x100: rows interleaved 16 at a time by gguf_interleave)
+ * blocks (ggml's type codes; Q4_0, Q4_1 and Q8_0 | 0x100: rows interleaved 16 at a time by gguf_interleave)
  * at `data[p]`. */
 struct QuantizedMatrix {
     int32_t parts;
@@ -44,8 +44,8 @@ int quantized_linear(const struct QuantizedMatrix *matrix, const void *x, int x_
 int gguf_linear_supports(int type, int64_t in_features);
 int gguf_linear_body(void);
 int gguf_interleave(const uint8_t *data, int type, int64_t rows, int64_t cols, uint8_t *out);
-int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, void *out, int out_dtype,
-                    int num_threads);
+int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, const int64_t *ids, void *out,
+                    int out_dtype, int num_threads);
 /* One linear's LoRA slots in kernels/lora.py's layout: a [in_features][parts][slots][max_rank],
  * b [slots][max_rank][sum of rows] (each part's B in its own columns, the scale folded in), both
  * in `dtype`; rows[p] is part p's output columns. */

@@ -106,7 +106,7 @@ def test_linear_is_within_activation_rounding_of_the_dequantized_matmul(body: st
     assert_within_activation_rounding(out, x, reference_weight(type_name, blocks))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_interleaved_rows_dequantize_to_the_values_the_file_stores(body: str, type_name: str) -> None:
     blocks = random_blocks(type_name, 32, 512)
     part = gguf_linear.interleaved(part_of(type_name, blocks))
@@ -116,7 +116,7 @@ def test_interleaved_rows_dequantize_to_the_values_the_file_stores(body: str, ty
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_interleaved_linear_is_within_activation_rounding_of_the_dequantized_matmul(
     body: str, type_name: str, rows: int
 ) -> None:
@@ -139,10 +139,26 @@ def test_interleaved_parts_beside_a_part_of_another_layout_fill_their_own_column
     assert_within_activation_rounding(out - bias, x, weight)
 
 
-@pytest.mark.parametrize(("type_name", "rows"), [("Q4_1", 24), ("Q8_0", 32)], ids=["partial-group", "other-type"])
+@pytest.mark.parametrize(("type_name", "rows"), [("Q4_1", 24), ("Q5_0", 32)], ids=["partial-group", "other-type"])
 def test_parts_the_interleaved_kernel_does_not_take_stay_as_stored(type_name: str, rows: int) -> None:
     part = part_of(type_name, random_blocks(type_name, rows, 64))
     assert gguf_linear.interleaved(part) is part
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q6_K"])
+def test_a_lookup_gives_the_stored_rows_it_names_in_either_layout(body: str, type_name: str) -> None:
+    blocks = random_blocks(type_name, 32, 256)
+    ids = torch.tensor([[31, 0, 7], [7, 16, 15]])
+    expected = reference_weight(type_name, blocks)[ids]
+    for part in (part_of(type_name, blocks), gguf_linear.interleaved(part_of(type_name, blocks))):
+        assert torch.equal(gguf_linear.lookup(part, 256, ids, torch.float32), expected)
+        assert torch.equal(gguf_linear.lookup(part, 256, ids, torch.bfloat16), expected.bfloat16())
+
+
+def test_a_lookup_past_the_stored_rows_is_refused() -> None:
+    part = part_of("Q8_0", random_blocks("Q8_0", 16, 64))
+    with pytest.raises(IndexError, match="row ids must lie in"):
+        gguf_linear.lookup(part, 64, torch.tensor([3, 16]), torch.float32)
 
 
 def test_parts_of_different_types_fill_their_own_columns_and_the_bias_is_added(body: str) -> None:

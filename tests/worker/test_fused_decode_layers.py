@@ -2,14 +2,13 @@
 (``kernels.cpu_decoder_layer``): they must give exactly the logits of the module path, whose
 kernels they call, and only layers whose modules they reproduce may be fused."""
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import PreTrainedConfig
 
-from strata.kernels import cpu_decoder_layer, cpu_linear, native
+from strata.kernels import cpu_linear, native
 from strata.worker.attention import get_attention_backend
 from strata.worker.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -21,7 +20,7 @@ from model_factory import (
     tiny_qwen2_config,
     tiny_qwen3_config,
 )
-from worker_helpers import STREAMED_FLOAT32, PagedRunner, greedy_decode, load_planned
+from worker_helpers import STREAMED_FLOAT32, PagedRunner, count_calls, greedy_decode, load_planned
 
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the CPU kernels")
 
@@ -36,18 +35,6 @@ def load_widened_bf16(path: Path, backend: str = "cpu", dtype: torch.dtype = tor
 
 def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
     return [layer for layer in model.model.layers if isinstance(layer, LlamaDecoderLayer)]
-
-
-def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
-    calls = [0]
-    original: Callable[..., object] = getattr(cpu_decoder_layer, name)
-
-    def counted(*args: object) -> object:
-        calls[0] += 1
-        return original(*args)
-
-    monkeypatch.setattr(cpu_decoder_layer, name, counted)
-    return calls
 
 
 @pytest.mark.parametrize(

@@ -11,12 +11,12 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from strata.kernels import gguf_linear, native
+from strata.kernels import cpu_linear, gguf_linear, native
 from strata.worker.gguf_weights import GgufTensor
 from strata.worker.llama import LlamaForCausalLM
 from strata.worker.model_loader import quantized_weights_file, resolve_model_path
 
-from worker_helpers import PagedRunner, greedy_decode, load_gguf_blocks
+from worker_helpers import PagedRunner, count_calls, greedy_decode, load_gguf_blocks
 
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the CPU kernels")
 
@@ -48,9 +48,12 @@ def assert_greedy_equal_up_to_a_near_tie(hf: PreTrainedModel, prompts: list[list
                 break
 
 
+FUSED_ROWS = 2 * cpu_linear.MAX_ROWS  # past what the fused layers take on streamed bfloat16 weights
+
+
 @pytest.fixture(scope="module")
 def default_model() -> Iterator[LlamaForCausalLM]:
-    yield load_gguf_blocks(None)
+    yield load_gguf_blocks(None, block_rows=FUSED_ROWS)
 
 
 def test_the_linears_blocks_are_the_converted_weights(default_model: LlamaForCausalLM) -> None:
@@ -82,12 +85,17 @@ def test_the_default_model_decodes_hfs_greedy_tokens_up_to_a_near_tie(default_mo
     assert_greedy_equal_up_to_a_near_tie(hf, prompts, tokens)
 
 
-def test_fused_halves_on_blocks_give_exactly_the_module_logits(default_model: LlamaForCausalLM) -> None:
-    prompts = [[1, 510, 3543, 282], [1, 19, 253]]  # a prefill of 7 rows, then decode steps of 2: all fused
-    fused_tokens, fused_logits = greedy_decode(PagedRunner(default_model), prompts, 4)
+def test_fused_halves_on_blocks_give_exactly_the_module_logits(
+    default_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A prefill of 47 rows (more than the streaming kernel takes), then decode steps of 3: all fused.
+    prompts = [[1, 510, 3543, 282], [1, 19, 253], list(range(1000, 1040))]
     decoder = default_model.model
     fused, stack = [layer.fused for layer in decoder.layers], decoder.fused_stack
     assert all(fused) and stack is not None, "every Llama layer on blocks is fused, all in one call"
+    stack_calls = count_calls(monkeypatch, "decoder_stack")
+    fused_tokens, fused_logits = greedy_decode(PagedRunner(default_model), prompts, 4)
+    assert stack_calls[0] == 4
     try:
         decoder.fused_stack = None
         for layer in decoder.layers:

@@ -7,10 +7,11 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
-from strata.kernels import cpu_linear
+from strata.kernels import cpu_decoder_layer, cpu_linear, gguf_linear
 from strata.worker.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, get_attention_backend
 from strata.worker.cpu_linear_plan import (
     CpuLinearPlan, QuantizedLinearPlan, apply_cpu_linear_plan, apply_quantized_linear_plan,
@@ -52,7 +53,8 @@ def load_gguf_blocks(model: str | None, tp: TensorParallel = SINGLE_RANK, block_
     blocks_from = quantized_weights_file("gguf", str(gguf_file(model)), "cpu")
     backend = get_attention_backend("cpu", torch.device("cpu"))
     loaded = load_model(resolve_model_path(model), torch.float32, tp, backend, "cpu", blocks_from=blocks_from)
-    apply_quantized_linear_plan(loaded, QuantizedLinearPlan(block_rows, torch.float32, "tests"))
+    every_type = {code: block_rows for code in gguf_linear.TYPES.values()}
+    apply_quantized_linear_plan(loaded, QuantizedLinearPlan(every_type, torch.float32, "tests"))
     return loaded
 
 
@@ -158,3 +160,16 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of ``cpu_decoder_layer.name`` from now on, in the returned list's one item."""
+    calls = [0]
+    original: Callable[..., object] = getattr(cpu_decoder_layer, name)
+
+    def counted(*args: object) -> object:
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(cpu_decoder_layer, name, counted)
+    return calls
