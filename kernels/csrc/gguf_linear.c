@@ -261,26 +261,32 @@ static int64_t block_bytes(int type)
     }
 }
 
-/* Row m of x (in_features values of `dtype`) as runs of 32 quantized activations. */
-static void quantize_row(const void *x, int dtype, int64_t m, int64_t in_features, struct QuantizedRun *runs)
+/* Row m of x (in_features values of `dtype`) as runs of 32 quantized activations: q = the
+ * value times 32767 / the run's largest magnitude, rounded to the nearest integer, ties to even
+ * (adding and subtracting 1.5 * 2^23 does that rounding for magnitudes below 2^22, in vectors;
+ * the product is rounded first, so no multiply-add may be fused here). */
+static __attribute__((optimize("fp-contract=off"))) void quantize_row(
+    const void *x, int dtype, int64_t m, int64_t in_features, struct QuantizedRun *runs)
 {
     const char *row = (const char *)x + m * in_features * dtype_size(dtype);
+    const f32x16 magic = (f32x16){0} + 12582912.f;
     for (int64_t k = 0; k < in_features; k += RUN) {
-        float v[RUN], amax = 0.f;
-        load_row(row + k * dtype_size(dtype), dtype, v, RUN);
-        for (int i = 0; i < RUN; i++) amax = fmaxf(amax, fabsf(v[i]));
+        f32x16 v[2];
+        load_row(row + k * dtype_size(dtype), dtype, (float *)v, RUN);
+        const f32x16 first = (f32x16)((u32x16)v[0] & 0x7fffffffu), second = (f32x16)((u32x16)v[1] & 0x7fffffffu);
+        const float amax = max_of_lanes(select_lanes(first > second, first, second));
         struct QuantizedRun *r = &runs[k / RUN];
         r->d = amax / 32767.f;
         const float inverse = amax > 0.f ? 32767.f / amax : 0.f;
-        int32_t sums[2] = {0, 0};
-        for (int i = 0; i < RUN; i++) {
-            const int16_t q = (int16_t)nearbyintf(v[i] * inverse);
-            r->q[i / 16][i % 16] = q;
-            sums[i / 16] += q;
+        float sums[2]; /* of integers below 2^19 in magnitude: exact in float32, in any order */
+        for (int h = 0; h < 2; h++) {
+            const f32x16 scaled = v[h] * inverse, rounded = (scaled + magic) - magic;
+            r->q[h] = __builtin_convertvector(__builtin_convertvector(rounded, i32x16), i16x16);
+            sums[h] = sum_of_lanes(rounded);
         }
-        r->scaled_sum[0] = r->d * (float)sums[0];
-        r->scaled_sum[1] = r->d * (float)sums[1];
-        r->scaled_total = r->d * (float)(sums[0] + sums[1]);
+        r->scaled_sum[0] = r->d * sums[0];
+        r->scaled_sum[1] = r->d * sums[1];
+        r->scaled_total = r->d * (sums[0] + sums[1]);
     }
 }
 
