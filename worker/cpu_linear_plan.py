@@ -173,8 +173,9 @@ def plan_quantized_linears(model: nn.Module, dtype: torch.dtype, tp: TensorParal
         return None
     block_rows, measured = {}, []
     for code, (part, in_features) in sorted(largest.items()):
-        sample = gguf_linear.QuantizedMatrix([gguf_linear.QuantizedPart(part.data[:SAMPLE_FEATURES].contiguous(), part.type)], in_features)
-        rows, timings = _crossover(
+        slice_ = gguf_linear.QuantizedPart(part.data[:SAMPLE_FEATURES].contiguous(), part.type)
+        sample = gguf_linear.QuantizedMatrix([slice_], in_features)
+        crossover, timings = _crossover(
             QUANTIZED_CANDIDATE_ROWS,
             in_features,
             dtype,
@@ -184,7 +185,7 @@ def plan_quantized_linears(model: nn.Module, dtype: torch.dtype, tp: TensorParal
         )
         # A dequantization reads the blocks and writes 2-4x their bytes: at one row it cannot win,
         # and where timings on a busy machine say otherwise they are noise.
-        block_rows[code] = max(rows, 1)
+        block_rows[code] = max(crossover, 1)
         shape = [sample.out_features, in_features]
         measured.append(f"{gguf_linear.TYPE_NAMES[code]} {shape}: " + ", ".join(
             f"{rows}: {small * 1e6:.0f}/{large * 1e6:.0f}" for rows, small, large in timings
