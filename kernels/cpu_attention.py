@@ -104,3 +104,46 @@ def _check(
             f"attention shape not supported: {num_heads} query heads over {num_kv_heads} KV heads, "
             f"head_dim {head_dim}, block_size {block_size} (see cpu_attention.supports)"
         )
+
+
+def chunk_kernel_available() -> bool:
+    """Whether this machine's build has ``chunk_attention``'s kernel (a CPU with AVX512-BF16)."""
+    library = native.load_library()
+    return library is not None and bool(library.chunk_attention_bf16_available())
+
+
+def chunk_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    context: int,
+    scale: float,
+    out: torch.Tensor,
+    sliding_window: int | None = None,
+) -> bool:
+    """Attention of one chunk's new tokens ``query`` ``[rows, heads, head_dim]`` (bfloat16, heads
+    contiguous; the last ``rows`` positions of a context of ``context``) over the bfloat16 paged
+    ``kv_cache`` through ``blocks`` (int32, the chunk's block table row), causal, within the last
+    ``sliding_window`` positions if given, into ``out`` (bfloat16, contiguous, same shape), with
+    ``vdpbf16ps`` (``csrc/chunk_attention_avx512bf16.c``). Returns False, having written nothing,
+    where that kernel does not take the chunk: a CPU without AVX512-BF16, other dtypes or head
+    sizes (the caller then runs torch's)."""
+    library = native.load_library()
+    rows = query.shape[0]
+    if (
+        library is None
+        or query.dtype != torch.bfloat16
+        or kv_cache.dtype != torch.bfloat16
+        or out.dtype != torch.bfloat16
+        or query.stride(2) != 1
+        or not (out.is_contiguous() and kv_cache.is_contiguous() and blocks.is_contiguous())
+        or blocks.dtype != torch.int32
+        or blocks.numel() * kv_cache.shape[2] < context
+    ):
+        return False
+    status = library.chunk_attention_bf16(
+        query.data_ptr(), query.stride(0), query.stride(1), kv_cache.data_ptr(), kv_cache.shape[1],
+        kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4], blocks.data_ptr(), rows, context,
+        query.shape[1], sliding_window or 0, scale, out.data_ptr(), torch.get_num_threads(),
+    )
+    return status == 0

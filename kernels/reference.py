@@ -108,19 +108,21 @@ def plan_chunks(
     block_size: int,
     sliding_window: int | None = None,
     min_tokens: int = 2,
+    slice_masked: bool = True,
 ) -> list[Chunk]:
-    """The chunks of the sequences with at least ``min_tokens`` new tokens. A chunk that needs a
-    mask (it follows earlier context, or has a window) is cut into slices of at most
-    ``MASKED_CHUNK_ROWS`` rows, each over only the positions its last row sees: torch's fused
-    attention skips what a plain causal mask hides but computes every score an explicit mask
-    hides, so a chunk of 1,900 tokens after 1,100 cached ones would compute a third more."""
+    """The chunks of the sequences with at least ``min_tokens`` new tokens. With
+    ``slice_masked``, a chunk that needs a mask (it follows earlier context, or has a window) is
+    cut into slices of at most ``MASKED_CHUNK_ROWS`` rows, each over only the positions its last
+    row sees: torch's fused attention skips what a plain causal mask hides but computes every
+    score an explicit mask hides, so a chunk of 1,900 tokens after 1,100 cached ones would
+    compute a third more."""
     starts = query_start_loc.tolist()
     chunks = []
     for i, context in enumerate(seq_lens.tolist()):
         q_len = starts[i + 1] - starts[i]
         if q_len < min_tokens:
             continue
-        if _plain_causal(q_len, context, sliding_window):
+        if not slice_masked or _plain_causal(q_len, context, sliding_window):
             slices = [(0, q_len)]
         else:
             slices = [(first, min(first + MASKED_CHUNK_ROWS, q_len)) for first in range(0, q_len, MASKED_CHUNK_ROWS)]

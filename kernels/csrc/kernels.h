@@ -25,6 +25,11 @@ int small_batch_linear(
 int small_batch_linear_portable(
     const void *x, int x_dtype, int64_t rows, int64_t in_features, const uint16_t *weight, int64_t out_features,
     const float *bias, void *out, int out_dtype, int num_threads);
+int chunk_attention_bf16_available(void);
+int chunk_attention_bf16(const uint16_t *query, int64_t query_token_stride, int64_t query_head_stride,
+                         const uint16_t *kv_cache, int64_t num_blocks, int block_size, int num_kv_heads,
+                         int head_dim, const int32_t *blocks, int64_t rows, int64_t context, int num_heads,
+                         int sliding_window, float scale, uint16_t *out, int num_threads);
 int small_batch_linear_avx512bf16(
     const uint16_t *x, int64_t rows, int64_t in_features, const uint16_t *weight, int64_t out_features,
     const float *bias, void *out, int out_dtype, int num_threads);

@@ -97,6 +97,7 @@ def main() -> None:
     time_calls(cpu_decoder_layer, "mlp_block", "fused MLP halves", timers, calls)
     time_calls(tp_layers, "linear", "module-path linears", timers, calls)
     time_calls(cpu_attention, "paged_attention", "module-path attention, C kernel", timers, calls)
+    time_calls(cpu_attention, "chunk_attention", "module-path attention, long chunks (C, bfloat16)", timers, calls)
     time_calls(reference, "chunk_attention", "module-path attention, long chunks (torch)", timers, calls)
     time_calls(cpu_kv_cache, "write_kv_cache", "module-path KV writes", timers, calls)
     for name in ("rms_norm", "rotary_embedding_", "silu_and_mul"):
@@ -121,7 +122,8 @@ def main() -> None:
 
     decoder_parts = [
         "fused layers, all in one call", "fused attention halves", "fused MLP halves", "module-path linears", "module-path attention, C kernel",
-        "module-path attention, long chunks (torch)", "module-path KV writes", "module-path norms, rotary, SwiGLU",
+        "module-path attention, long chunks (C, bfloat16)", "module-path attention, long chunks (torch)",
+        "module-path KV writes", "module-path norms, rotary, SwiGLU",
     ]
     execute_parts = ["input preparation", "decoder", "LM head", "sampler"]
     rows = [("EngineCore step", ms["step"]), ("model runner execute", ms["execute"])]

@@ -1,0 +1,214 @@
+/* Attention of a prefill chunk's new tokens over their paged context, for CPUs with AVX512-BF16
+ * (compiled where -march=native has it; elsewhere chunk_attention_bf16 returns -1 and the caller
+ * keeps torch's fused attention).
+ *
+ * torch's fused CPU attention runs at about 120 GFLOPS here in float32 or bfloat16; this one
+ * multiplies with `vdpbf16ps` (32 bfloat16 products into 16 float32 lanes per instruction). The
+ * scores q.k are exact products summed in float32, as torch's are; the softmax runs in float32;
+ * only the probabilities are rounded to bfloat16 before they weigh the values (relative error at
+ * most 2^-9 per probability), as GPU flash attention does.
+ *
+ * First each KV head's keys and values are packed from the paged cache into the pair layouts the
+ * instruction takes: keys per tile of 16 positions as [head_dim / 2][16 positions][2 dims], so
+ * one load is 16 positions' dims 2j, 2j + 1 and a query's pair of dims is broadcast against it;
+ * values per pair of positions as [head_dim][2 positions], so one load is 16 dims of two
+ * positions and a pair of probabilities is broadcast against it. Then each item, ITEM_ROWS query
+ * vectors (token x head of one KV head, a partial last item) walks the context TILE positions at
+ * a time: scores, an online softmax, and the values added into ITEM_ROWS x head_dim float32 sums
+ * kept in registers.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "vector_math.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+enum { ITEM_ROWS = 4, TILE = 64, SUB = 16, MAX_DIM_CHUNKS = 8 };
+
+typedef struct {
+    const uint16_t *query;
+    int64_t query_token_stride, query_head_stride; /* in elements */
+    const uint16_t *keys, *values;                  /* packed, per KV head */
+    int64_t packed_positions;                       /* the context rounded up to TILE */
+    int64_t rows, context;
+    int num_heads, num_kv_heads, head_dim, sliding_window;
+    float scale;
+    uint16_t *out;
+} Chunk;
+
+/* Position p of KV head h from the paged cache [blocks, block_size, kv_heads, head_dim]. */
+static inline const uint16_t *cached(const uint16_t *cache, const int32_t *blocks, int block_size, int kv_heads,
+                                     int head_dim, int64_t p, int h)
+{
+    return cache + (((int64_t)blocks[p / block_size] * block_size + p % block_size) * kv_heads + h) * head_dim;
+}
+
+/* Keys of head h as [tiles of SUB][head_dim / 2][SUB][2]; values as [position pairs][head_dim][2];
+ * zeros past the context. */
+static void pack_head(const uint16_t *key_cache, const uint16_t *value_cache, const int32_t *blocks, int block_size,
+                      int kv_heads, int head_dim, int64_t context, int64_t positions, int h, uint16_t *keys,
+                      uint16_t *values)
+{
+    for (int64_t p = 0; p < positions; p++) {
+        const uint16_t *k = p < context ? cached(key_cache, blocks, block_size, kv_heads, head_dim, p, h) : NULL;
+        const uint16_t *v = p < context ? cached(value_cache, blocks, block_size, kv_heads, head_dim, p, h) : NULL;
+        uint16_t *key_tile = keys + (p / SUB) * SUB * head_dim;
+        uint16_t *value_pair = values + (p / 2) * 2 * head_dim;
+        for (int d = 0; d < head_dim; d++) {
+            key_tile[((d / 2) * SUB + p % SUB) * 2 + d % 2] = k ? k[d] : 0;
+            value_pair[d * 2 + p % 2] = v ? v[d] : 0;
+        }
+    }
+}
+
+static inline __m512bh pair_of(const uint16_t *p)
+{
+    int32_t bits;
+    memcpy(&bits, p, sizeof bits);
+    return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+/* One item: query vectors x0 .. x0 + n - 1 of KV head h (vector x: token x / group, query head
+ * h * group + x % group). */
+static inline __attribute__((always_inline)) void attend_item(const Chunk *c, int h, int64_t x0, int n,
+                                                              const int chunks)
+{
+    const int head_dim = chunks * LANES, group = c->num_heads / c->num_kv_heads, pairs = head_dim / 2;
+    const uint16_t *keys = c->keys + h * c->packed_positions * head_dim;
+    const uint16_t *values = c->values + h * c->packed_positions * head_dim;
+    const uint16_t *q[ITEM_ROWS];
+    int64_t visible[ITEM_ROWS], first[ITEM_ROWS];
+    float running_max[ITEM_ROWS], denominator[ITEM_ROWS];
+    __m512 acc[ITEM_ROWS][MAX_DIM_CHUNKS];
+    for (int r = 0; r < ITEM_ROWS; r++) {
+        const int64_t x = x0 + (r < n ? r : n - 1); /* a partial item repeats its last vector */
+        const int64_t token = x / group, head = (int64_t)h * group + x % group;
+        q[r] = c->query + token * c->query_token_stride + head * c->query_head_stride;
+        visible[r] = c->context - c->rows + token + 1;
+        first[r] = c->sliding_window && visible[r] > c->sliding_window ? visible[r] - c->sliding_window : 0;
+        running_max[r] = -INFINITY;
+        denominator[r] = 0.f;
+        for (int d = 0; d < chunks; d++) acc[r][d] = _mm512_setzero_ps();
+    }
+    int64_t start = first[0], end = visible[0];
+    for (int r = 1; r < ITEM_ROWS; r++) {
+        start = first[r] < start ? first[r] : start;
+        end = visible[r] > end ? visible[r] : end;
+    }
+    for (int64_t tile = start / TILE * TILE; tile < end; tile += TILE) {
+        __m512 scores[ITEM_ROWS][TILE / SUB];
+        for (int s = 0; s < TILE / SUB; s++) {
+            const uint16_t *key_tile = keys + (tile + s * SUB) * head_dim;
+            for (int r = 0; r < ITEM_ROWS; r++) scores[r][s] = _mm512_setzero_ps();
+            for (int j = 0; j < pairs; j++) {
+                const __m512bh k = (__m512bh)_mm512_loadu_si512(key_tile + j * SUB * 2);
+                for (int r = 0; r < ITEM_ROWS; r++) scores[r][s] = _mm512_dpbf16_ps(scores[r][s], k, pair_of(q[r] + 2 * j));
+            }
+        }
+        uint16_t weights[ITEM_ROWS][TILE] __attribute__((aligned(64)));
+        for (int r = 0; r < ITEM_ROWS; r++) {
+            vfloat tile_scores[TILE / SUB];
+            float tile_max = -INFINITY;
+            for (int s = 0; s < TILE / SUB; s++) {
+                const vint position = LANE_INDEX + (int)(tile + s * SUB);
+                const vint seen = (position < (int)visible[r]) & (position >= (int)first[r]);
+                tile_scores[s] = select_lanes(seen, (vfloat)scores[r][s] * c->scale, (vfloat){0} - INFINITY);
+                const float m = max_of_lanes(tile_scores[s]);
+                tile_max = m > tile_max ? m : tile_max;
+            }
+            if (tile_max == -INFINITY) { /* nothing of this tile is seen by this vector */
+                memset(weights[r], 0, sizeof weights[r]);
+                continue;
+            }
+            const float new_max = tile_max > running_max[r] ? tile_max : running_max[r];
+            const float correction = running_max[r] == -INFINITY ? 0.f : exp_lanes((vfloat){0} + (running_max[r] - new_max))[0];
+            float sum = 0.f;
+            for (int s = 0; s < TILE / SUB; s++) {
+                const vfloat p = exp_lanes(tile_scores[s] - new_max);
+                sum += sum_of_lanes(p);
+                const __m256bh rounded = _mm512_cvtneps_pbh((__m512)p);
+                memcpy(weights[r] + s * SUB, &rounded, sizeof rounded);
+            }
+            denominator[r] = denominator[r] * correction + sum;
+            running_max[r] = new_max;
+            if (correction != 1.f)
+                for (int d = 0; d < chunks; d++) acc[r][d] = _mm512_mul_ps(acc[r][d], _mm512_set1_ps(correction));
+        }
+        for (int pair = 0; pair < TILE / 2; pair++) {
+            const uint16_t *value_pair = values + (tile + 2 * pair) * head_dim;
+            for (int d = 0; d < chunks; d++) {
+                const __m512bh v = (__m512bh)_mm512_loadu_si512(value_pair + d * LANES * 2);
+                for (int r = 0; r < ITEM_ROWS; r++) acc[r][d] = _mm512_dpbf16_ps(acc[r][d], v, pair_of(weights[r] + 2 * pair));
+            }
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        const int64_t x = x0 + r, token = x / group, head = (int64_t)h * group + x % group;
+        const float inverse = 1.f / denominator[r];
+        float result[MAX_DIM_CHUNKS * LANES];
+        for (int d = 0; d < chunks; d++) _mm512_storeu_ps(result + d * LANES, _mm512_mul_ps(acc[r][d], _mm512_set1_ps(inverse)));
+        store_row(result, DTYPE_BFLOAT16, (char *)(c->out + (token * c->num_heads + head) * head_dim), head_dim);
+    }
+}
+
+int chunk_attention_bf16_available(void) { return 1; }
+
+int chunk_attention_bf16(const uint16_t *query, int64_t query_token_stride, int64_t query_head_stride,
+                         const uint16_t *kv_cache, int64_t num_blocks, int block_size, int num_kv_heads,
+                         int head_dim, const int32_t *blocks, int64_t rows, int64_t context, int num_heads,
+                         int sliding_window, float scale, uint16_t *out, int num_threads)
+{
+    if ((head_dim != 64 && head_dim != 128) || num_heads % num_kv_heads || rows < 1 || rows > context) return -1;
+    const int64_t positions = (context + TILE - 1) / TILE * TILE;
+    const size_t bytes = sizeof(uint16_t) * (size_t)(num_kv_heads * positions * head_dim);
+    uint16_t *keys = aligned_alloc(64, bytes), *values = aligned_alloc(64, bytes);
+    if (!keys || !values) {
+        free(keys);
+        free(values);
+        return -1;
+    }
+    const uint16_t *value_cache = kv_cache + num_blocks * block_size * num_kv_heads * head_dim;
+#pragma omp parallel for num_threads(num_threads)
+    for (int h = 0; h < num_kv_heads; h++)
+        pack_head(kv_cache, value_cache, blocks, block_size, num_kv_heads, head_dim, context, positions, h,
+                  keys + h * positions * head_dim, values + h * positions * head_dim);
+    const Chunk chunk = {
+        .query = query, .query_token_stride = query_token_stride, .query_head_stride = query_head_stride,
+        .keys = keys, .values = values, .packed_positions = positions, .rows = rows, .context = context,
+        .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
+        .sliding_window = sliding_window, .scale = scale, .out = out,
+    };
+    const int64_t vectors = rows * (num_heads / num_kv_heads), items = (vectors + ITEM_ROWS - 1) / ITEM_ROWS;
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+    for (int64_t i = 0; i < items * num_kv_heads; i++) {
+        const int h = (int)(i % num_kv_heads);
+        const int64_t x0 = i / num_kv_heads * ITEM_ROWS;
+        const int n = vectors - x0 < ITEM_ROWS ? (int)(vectors - x0) : ITEM_ROWS;
+        if (head_dim == 64) attend_item(&chunk, h, x0, n, 4);
+        else attend_item(&chunk, h, x0, n, 8);
+    }
+    free(keys);
+    free(values);
+    return 0;
+}
+
+#else
+
+int chunk_attention_bf16_available(void) { return 0; }
+
+int chunk_attention_bf16(const uint16_t *query, int64_t query_token_stride, int64_t query_head_stride,
+                         const uint16_t *kv_cache, int64_t num_blocks, int block_size, int num_kv_heads,
+                         int head_dim, const int32_t *blocks, int64_t rows, int64_t context, int num_heads,
+                         int sliding_window, float scale, uint16_t *out, int num_threads)
+{
+    (void)query, (void)query_token_stride, (void)query_head_stride, (void)kv_cache, (void)num_blocks;
+    (void)block_size, (void)num_kv_heads, (void)head_dim, (void)blocks, (void)rows, (void)context;
+    (void)num_heads, (void)sliding_window, (void)scale, (void)out, (void)num_threads;
+    return -1;
+}
+
+#endif
