@@ -164,8 +164,10 @@ def lookup(part: QuantizedPart, in_features: int, ids: torch.Tensor, dtype: torc
     """The float values of ``part``'s rows ``ids`` (int64, any shape; each in ``[0, rows)``),
     ``[*ids.shape, in_features]`` in ``dtype``: an embedding lookup on blocks, either layout."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
-    if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < part.rows:
-        raise IndexError(f"row ids must lie in [0, {part.rows})")
+    if flat.numel():
+        low, high = flat.aminmax()
+        if low < 0 or high >= part.rows:
+            raise IndexError(f"row ids must lie in [0, {part.rows})")
     if dtype not in native.DTYPE_CODES:
         raise ValueError(f"lookup needs a float dtype of {', '.join(map(str, native.DTYPE_CODES))}, got {dtype}")
     out = torch.empty(flat.numel(), in_features, dtype=dtype)

@@ -128,7 +128,7 @@ def plan_chunks(
             slices = [(first, min(first + MASKED_CHUNK_ROWS, q_len)) for first in range(0, q_len, MASKED_CHUNK_ROWS)]
         for first, end in slices:
             seen = context - q_len + end  # the positions the slice's last row sees
-            blocks = block_tables[i, : -(-seen // block_size)].long()
+            blocks = block_tables[i, : -(-seen // block_size)]  # int32 ids, as the C kernel takes them
             mask = _chunk_mask(end - first, seen, sliding_window, block_tables.device)
             chunks.append(Chunk(slice(starts[i] + first, starts[i] + end), blocks, seen, mask))
     return chunks

@@ -135,7 +135,7 @@ class CpuAttentionBackend:
         )
         for chunk in long_chunks:
             if not (bf16_chunks and cpu_attention.chunk_attention(
-                query[chunk.rows], kv_cache, chunk.blocks.int(), chunk.context, scale, out[chunk.rows], sliding_window
+                query[chunk.rows], kv_cache, chunk.blocks, chunk.context, scale, out[chunk.rows], sliding_window
             )):
                 reference.chunk_attention(query, kv_cache, chunk, scale, out)
         return out
