@@ -36,9 +36,14 @@ class AsyncEngine:
         self.config = config
         if config.tokenizer_path is None:
             raise ValueError("the async engine and the server need a tokenizer: pass --tokenizer DIR, not --skip-tokenizer")
-        self.tokenizer = load_tokenizer(config.tokenizer_path)
         self.loras = LoRARegistry.start(args, config)  # a bad --lora-modules stops here
         self.client = AsyncCoreClient(config) if args.data_parallel_size == 1 else AsyncDPClient(args, config)
+        try:
+            # Loaded here while the engine's processes start theirs (seconds of imports each).
+            self.tokenizer = load_tokenizer(config.tokenizer_path)
+        except BaseException:
+            self.client.shutdown()
+            raise
         self.processor = OutputProcessor.for_model(self.tokenizer, config.model_path)
         self._streams: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()

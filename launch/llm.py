@@ -24,12 +24,13 @@ Message = dict[str, str]
 
 def start_engine(args: EngineArgs, resolved: ResolvedConfig) -> InprocClient | SyncCoreClient | SyncDPClient:
     """The client ``LLM`` drives: data-parallel replicas, the EngineCore in this process
-    (``--executor uni``), or an EngineCore process with its workers."""
+    (``--executor uni``), or an EngineCore process with its workers. Processes are started,
+    not yet ready: call ``wait_ready`` before anything else."""
     if args.data_parallel_size > 1:
         return SyncDPClient(args, resolved)
     if args.executor == "uni":
         return InprocClient.start(resolved)
-    return SyncCoreClient(resolved)
+    return SyncCoreClient(resolved, wait_ready=False)
 
 
 class LLM:
@@ -40,9 +41,15 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: object) -> None:
         self.args = EngineArgs(model=model, **engine_args)
         self.config = resolve(self.args)
-        self.tokenizer = load_tokenizer(self.config.tokenizer_path)
         self.loras = LoRARegistry.start(self.args, self.config)  # a bad --lora-modules stops here
         self.engine = start_engine(self.args, self.config)
+        try:
+            # Loaded here while the engine's processes start theirs (seconds of imports each).
+            self.tokenizer = load_tokenizer(self.config.tokenizer_path)
+            self.engine.wait_ready()
+        except BaseException:
+            self.engine.shutdown()
+            raise
         self.processor = OutputProcessor.for_model(self.tokenizer, self.config.model_path)
         self._ids = itertools.count()
         self.stats: SchedulerStats | None = None  # as of the last step

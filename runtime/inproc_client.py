@@ -22,6 +22,9 @@ class InprocClient:
         tokenizer_path = tokenizer_json_path(resolved.worker.model)
         return cls(EngineCore(resolved.scheduler, executor, connector, tokenizer_path=tokenizer_path))
 
+    def wait_ready(self) -> None:
+        """Nothing to wait for: the model is loaded once ``start`` returns."""
+
     @property
     def num_blocks(self) -> int:
         return self.core.scheduler.kv.num_blocks

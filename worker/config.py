@@ -5,6 +5,8 @@ so that the engine flags can offer them as choices without importing torch."""
 
 import msgspec
 
+from strata.engine_core.zmq_curve import WorkerCurveKeys
+
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_BF16_LINEAR_MODES = ("auto", "float32", "native")
@@ -54,3 +56,12 @@ class WorkerConfig(msgspec.Struct):
     speculative_gguf_file: str | None = None
     speculative_draft_layers: int | None = None
     num_speculative_tokens: int = 3
+
+
+class WorkerProcessConfig(msgspec.Struct):
+    """What a worker process reads on its stdin: its rank's config and the executor's sockets."""
+
+    worker: WorkerConfig
+    step_endpoint: str  # the executor binds a PUSH socket per rank here
+    result_endpoint: str  # the executor's PULL socket, shared by all ranks
+    curve: WorkerCurveKeys | None = None  # CurveZMQ keys, for TCP endpoints

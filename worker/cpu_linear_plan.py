@@ -118,22 +118,24 @@ def _crossover(
     large: Callable[[torch.Tensor], object],
     tp: TensorParallel,
 ) -> tuple[int, list[tuple[int, float, float]]]:
-    """The largest of ``candidates`` up to which ``small`` on that many random rows of
-    ``features`` values is no slower than ``large``, with the (rows, small s, large s) timings
-    summed over the ranks of ``tp`` (so that every rank chooses alike)."""
+    """The row count (one of ``candidates``, or 0) up to which ``small`` on that many random rows
+    of ``features`` values is no slower than ``large`` and past which it is slower, with the
+    (rows, small s, large s) timings summed over the ranks of ``tp`` (so that every rank chooses
+    alike).
+
+    A neighbour's burst can slow one timing tenfold, so the crossover is not where ``small``
+    first loses but the split that the most row counts agree with (ties: the fewest rows)."""
     generator = torch.Generator().manual_seed(0)
     seconds = torch.zeros(len(candidates), 2, dtype=torch.float64)
     for i, rows in enumerate(candidates):
         x = torch.randn(rows, features, generator=generator).to(dtype)
         seconds[i, 0] = _fastest_seconds(lambda: small(x))
         seconds[i, 1] = _fastest_seconds(lambda: large(x))
-    seconds = tp.all_reduce(seconds)
-    chosen = 0
-    for rows, (small_s, large_s) in zip(candidates, seconds.tolist()):
-        if small_s > large_s:
-            break
-        chosen = rows
-    return chosen, [(rows, small_s, large_s) for rows, (small_s, large_s) in zip(candidates, seconds.tolist())]
+    timings = [(rows, small_s, large_s) for rows, (small_s, large_s) in zip(candidates, tp.all_reduce(seconds).tolist())]
+    wins = [small_s <= large_s for _, small_s, large_s in timings]
+    agreeing = [sum(wins[:split]) + wins[split:].count(False) for split in range(len(wins) + 1)]
+    split = agreeing.index(max(agreeing))
+    return (candidates[split - 1] if split else 0), timings
 
 
 @dataclass(frozen=True)

@@ -21,21 +21,14 @@ from strata.engine_core.protocol import (
     WorkerFailed,
     WorkerReady,
 )
-from strata.engine_core.zmq_curve import WorkerCurveKeys, secure_client
-from strata.worker.config import WorkerConfig
+from strata.engine_core.zmq_curve import secure_client
+from strata.worker.config import WorkerConfig, WorkerProcessConfig
 from strata.worker.devices import check_device_visible
 from strata.worker.model_runner import ModelRunner, default_num_threads
 from strata.worker.parallel_state import TensorParallel, init_tensor_parallel
 from strata.worker.pipeline_parallel import PipelineStage, StageLink, destroy_model_parallel, init_model_parallel
 
 logger = logging.getLogger("worker")
-
-
-class WorkerProcessConfig(msgspec.Struct):
-    worker: WorkerConfig
-    step_endpoint: str  # the executor binds a PUSH socket per rank here
-    result_endpoint: str  # the executor's PULL socket, shared by all ranks
-    curve: WorkerCurveKeys | None = None  # CurveZMQ keys, for TCP endpoints
 
 
 def serve(config: WorkerProcessConfig) -> None:

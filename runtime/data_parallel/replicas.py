@@ -119,7 +119,8 @@ class ReplicaSet:
 
 class SyncDPClient:
     """N ``SyncCoreClient`` replicas, started together; ``get_output`` returns the next step
-    outputs of whichever replica answers first."""
+    outputs of whichever replica answers first. Construction starts the processes; call
+    ``wait_ready`` before anything else."""
 
     def __init__(self, args: EngineArgs, config: ResolvedConfig) -> None:
         private_events = args.dp_routing == "cache-aware"
@@ -127,8 +128,6 @@ class SyncDPClient:
         try:
             for replica in range(args.data_parallel_size):
                 self.clients.append(SyncCoreClient(config, replica, private_events, wait_ready=False))
-            for client in self.clients:
-                client.wait_ready()
         except BaseException:
             self._shutdown_clients()
             raise
@@ -137,6 +136,11 @@ class SyncDPClient:
         self._poller = zmq.Poller()
         for client in self.clients:
             self._poller.register(client.output_socket, zmq.POLLIN)
+
+    def wait_ready(self) -> None:
+        """Wait for every replica; on a failure the caller shuts this client down."""
+        for client in self.clients:
+            client.wait_ready()
 
     @property
     def num_blocks(self) -> int:

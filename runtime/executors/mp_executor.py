@@ -13,7 +13,7 @@ import msgspec
 
 from strata.engine_core.ipc import IpcDir, free_tcp_port
 from strata.runtime.executors.zmq_executor import RankExit, ZmqExecutor
-from strata.worker.config import WorkerConfig
+from strata.worker.config import WorkerConfig, WorkerProcessConfig
 from strata.worker.devices import rank_device
 
 
@@ -41,8 +41,6 @@ class MultiprocExecutor(ZmqExecutor):
         return self.ipc.endpoint(name)
 
     def _start_worker(self, config: WorkerConfig, rank: int, init_method: str) -> subprocess.Popen:
-        from strata.worker.worker_process import WorkerProcessConfig
-
         device = rank_device(config.device, rank)
         worker = msgspec.structs.replace(config, rank=rank, device=device, distributed_init_method=init_method)
         payload = msgspec.msgpack.encode(

@@ -30,7 +30,7 @@ from strata.engine_core.core_loop import ExecutorFailed
 from strata.engine_core.ipc import free_tcp_port
 from strata.runtime.executors.ray_config import RayConfig
 from strata.runtime.executors.zmq_executor import RankExit, ZmqExecutor
-from strata.worker.config import WorkerConfig
+from strata.worker.config import WorkerConfig, WorkerProcessConfig
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class RankWorker:
 
     def serve(self, payload: bytes) -> None:
         """Run the steps; ``payload`` is a msgpack ``WorkerProcessConfig``."""
-        from strata.worker.worker_process import WorkerProcessConfig, serve
+        from strata.worker.worker_process import serve
 
         config = msgspec.msgpack.decode(payload, type=WorkerProcessConfig)
         rank = config.worker.rank
@@ -100,8 +100,6 @@ class RayExecutor(ZmqExecutor):
             raise
 
     def _start(self, config: WorkerConfig, ray_config: RayConfig, startup_timeout_s: float) -> None:
-        from strata.worker.worker_process import WorkerProcessConfig
-
         use_gpu = config.device.startswith("cuda")
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         self._placement_group = _reserve(

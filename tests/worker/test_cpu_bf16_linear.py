@@ -145,10 +145,10 @@ def test_unknown_mode_is_rejected_naming_the_field(checkpoint: Path) -> None:
 
 @pytest.mark.parametrize(
     ("stream_wins_at", "expected"),
-    [(set(CANDIDATE_ROWS), CANDIDATE_ROWS[-1]), ({1, 2, 4, 8}, 8), ({1, 2, 8, 16}, 2), (set(), 0)],
-    ids=["always", "up-to-8", "first-loss-ends-it", "never"],
+    [(set(CANDIDATE_ROWS), CANDIDATE_ROWS[-1]), ({1, 2, 4, 8}, 8), ({1, 2, 8, 16}, 16), ({1, 2, 16}, 2), (set(), 0)],
+    ids=["always", "up-to-8", "one-loss-among-wins-is-noise", "one-win-among-losses-is-noise", "never"],
 )
-def test_the_crossover_is_the_last_row_count_before_streaming_first_loses(
+def test_the_crossover_splits_the_row_counts_where_most_timings_agree(
     stream_wins_at: set[int], expected: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     timings = iter([])
