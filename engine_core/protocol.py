@@ -241,6 +241,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag="step"):
     # stage before they run this one.
     collected_step: int = 0
     lora_loads: list[LoRASlotLoad] = []
+    # Whether a draft model proposes after this step: the next step is expected to speculate.
+    propose_drafts: bool = False
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, tag="mask"):

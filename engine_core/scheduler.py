@@ -251,6 +251,7 @@ class Scheduler:
                 request.in_flight = True
             output.collected_step = self._collected_step
         output.total_num_scheduled_tokens = used + used_by_new
+        output.propose_drafts = self.config.speculative.speculates_at(len(self.running))
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
 
@@ -266,7 +267,7 @@ class Scheduler:
         dropped = False
         # In a pipeline, this micro-batch takes its share of the running requests.
         share = -(-len(self.running) // self.config.pipeline_depth)
-        speculating = self.proposer is not None
+        speculating = self.proposer is not None and self.config.speculative.speculates_at(len(self.running))
         for request in self.running:
             if budget == 0 or len(handles) == share:
                 break

@@ -17,7 +17,9 @@ class SpeculativeConfig:
     """``method=None``: no speculation. ``ngram``: match the last ``ngram_max`` down to
     ``ngram_min`` tokens and propose up to ``num_speculative_tokens`` that followed. ``draft``:
     the workers run ``draft_model`` (its first ``draft_layers`` decoder layers if given, e.g.
-    the target's own for a self-draft) ``num_speculative_tokens`` times per decoding request."""
+    the target's own for a self-draft) ``num_speculative_tokens`` times per decoding request.
+    ``disable_by_batch_size``: a step with more running requests than this verifies no drafts
+    (None: any batch speculates)."""
 
     method: str | None = None
     num_speculative_tokens: int = 3
@@ -25,6 +27,11 @@ class SpeculativeConfig:
     ngram_max: int = 4
     draft_model: str | None = None
     draft_layers: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def speculates_at(self, running: int) -> bool:
+        """Whether a step with ``running`` requests proposes drafts."""
+        return self.method is not None and (self.disable_by_batch_size is None or running <= self.disable_by_batch_size)
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPECULATIVE_METHODS:
@@ -39,6 +46,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_model and speculative_draft_layers need speculative_method draft")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError(f"speculative_draft_layers must be >= 1, got {self.draft_layers}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
 
 
 class Proposer(Protocol):

@@ -27,6 +27,9 @@ from strata.worker.config import (
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 EXECUTORS = ("uni", "mp", "ray")
 DP_ROUTING_POLICIES = ("cache-aware", "least-loaded", "round-robin")
+# A CPU step is compute-bound from a few rows on, so each draft costs nearly a token's compute:
+# n-gram drafts on prose lost 4% at 4 requests and 14% at 8 (docs/performance.md).
+CPU_SPECULATION_BATCH_LIMIT = 4
 
 T = TypeVar("T")
 
@@ -145,6 +148,11 @@ class EngineArgs:
     speculative_draft_layers: int | None = flag(
         None, "draft: run only the draft model's first N decoder layers (with its norm and head)", rule=at_least(1)
     )
+    speculative_disable_by_batch_size: int | None = flag(
+        None, "steps with more running requests than this verify no drafts (default: "
+        f"{CPU_SPECULATION_BATCH_LIMIT} on CPU, where a step of many rows is compute-bound; no limit on GPUs)",
+        rule=at_least(1),
+    )
     attention_backend: str | None = flag(None, choices=ATTENTION_BACKENDS)
     worker_timeout_s: float = flag(60.0, "a worker silent this long is declared hung")
     kv_offload_cpu_bytes: int | None = flag(None, "CPU KV tier size, total over all ranks (off by default)")
@@ -224,7 +232,7 @@ class EngineArgs:
                 "memory holds every adapter a step may use"
             )
         self.lora_module_paths()  # raises if a --lora-modules entry is not NAME=PATH
-        self.speculative_config()  # raises if the speculative flags disagree
+        self.speculative_config(self.device)  # raises if the speculative flags disagree
         if self.speculative_method == "draft" and self.pipeline_parallel_size > 1:
             raise ValueError(
                 "speculative_method draft does not support --pipeline-parallel-size > 1 (the draft runs on the "
@@ -248,10 +256,13 @@ class EngineArgs:
             paths[name] = path
         return paths
 
-    def speculative_config(self) -> SpeculativeConfig:
+    def speculative_config(self, device: str) -> SpeculativeConfig:
+        limit = self.speculative_disable_by_batch_size
+        if limit is None and device == "cpu":
+            limit = CPU_SPECULATION_BATCH_LIMIT
         return SpeculativeConfig(
             self.speculative_method, self.num_speculative_tokens, self.ngram_min, self.ngram_max,
-            self.speculative_model, self.speculative_draft_layers,
+            self.speculative_model, self.speculative_draft_layers, limit,
         )
 
     @staticmethod
@@ -329,6 +340,7 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
     from strata.worker.model_registry import model_class
 
     path = resolve_model_path(args.model)
+    device = _device(args.device)
     model_config = json.loads((path / "config.json").read_text())
     # Fail before any process starts.
     model_cls = model_class(model_config.get("model_type", ""), model_config.get("architectures"))
@@ -348,7 +360,7 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
         block_size=args.block_size,
         policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
-        speculative=args.speculative_config(),
+        speculative=args.speculative_config(device),
         pipeline_depth=args.pipeline_parallel_size,
         max_loras=args.max_loras if args.lora_enabled else 0,
     )
@@ -356,7 +368,7 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
     same_named = {name: engine_fields[name] for name in WorkerConfig.__struct_fields__ if name in engine_fields}
     gguf = gguf_file(args.model)
     resolved_here = {
-        "model": str(path), "device": _device(args.device), "max_model_len": max_model_len,
+        "model": str(path), "device": device, "max_model_len": max_model_len,
         "gguf_file": None if gguf is None else str(gguf), "enable_lora": args.lora_enabled,
     } | _resolve_draft(args, model_config)
     worker = WorkerConfig(**(same_named | resolved_here))

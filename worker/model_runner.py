@@ -198,7 +198,7 @@ class ModelRunner:
             self.batch.accept(int(rows[index]), row_tokens)
         if self.link is not None and self.model.stage.size > 1:
             self._send_sampled(done, sampled, produced)
-        draft_token_ids = self._propose_drafts(rows, done, produced) if self.drafter is not None else {}
+        draft_token_ids = self._propose_drafts(rows, done, produced) if self.drafter is not None and step.propose_drafts else {}
         return ModelRunnerOutput(
             step=step.step,
             rank=self.config.rank,

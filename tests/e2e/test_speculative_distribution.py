@@ -52,7 +52,7 @@ def test_sampled_tokens_with_drafts_follow_the_targets_distribution(target, meth
     draft = {"speculative_model": path, "speculative_draft_layers": 1} if method == "draft" else {}
     params = [SamplingParams(temperature=TEMPERATURE, seed=seed, max_tokens=3, ignore_eos=True) for seed in range(NUM_DRAWS)]
     with LLM(path, skip_tokenizer=True, dtype="float32", executor="uni", speculative_method=method,
-             num_speculative_tokens=2, **draft) as llm:
+             num_speculative_tokens=2, speculative_disable_by_batch_size=NUM_DRAWS, **draft) as llm:
         outputs = llm.generate([PROMPT] * NUM_DRAWS, params, use_tqdm=False)
         stats = llm.stats
     drawn = np.array([output.outputs[0].token_ids for output in outputs])
@@ -82,7 +82,8 @@ def test_strongly_penalised_sampled_requests_draw_the_tokens_they_draw_without_d
     ]
     drawn = {}
     for method in (None, "ngram"):
-        with LLM(path, skip_tokenizer=True, dtype="float32", executor="uni", speculative_method=method) as llm:
+        with LLM(path, skip_tokenizer=True, dtype="float32", executor="uni", speculative_method=method,
+                 speculative_disable_by_batch_size=len(params)) as llm:
             drawn[method] = [output.outputs[0].token_ids for output in llm.generate([PROMPT] * 200, params, use_tqdm=False)]
             if method:
                 assert llm.stats.spec_accepted_tokens > 0

@@ -137,3 +137,19 @@ def test_drafts_the_workers_propose_are_scheduled_in_the_request_next_step(make_
     out, _ = step(scheduler, runner, {}, {})
     assert [unpack_tokens(packed).tolist() for packed in out.cached.draft_token_ids.values()] == [[12, 13, 14]]
     assert scheduler.spec.accepted_tokens == 3
+
+
+def test_a_step_with_more_running_requests_than_the_limit_verifies_no_drafts(make_request):
+    limited = SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3, disable_by_batch_size=2)
+    scheduler = make_scheduler(limited)
+    ids = ["r0", "r1", "r2"]
+    for request_id in ids:
+        scheduler.add_request(make_request(prompt=PATTERN * 3, request_id=request_id, max_tokens=12))
+    runner = repeating_runner(ids)
+    for _ in range(6):  # the prefill, then decode steps of three requests
+        out, _ = step(scheduler, runner, {}, {})
+        assert not out.cached.draft_token_ids and not out.propose_drafts
+    assert len(scheduler.running) == 3 and scheduler.spec.draft_tokens == 0
+    scheduler.abort_requests(["r2"])
+    out, _ = step(scheduler, runner, {}, {})
+    assert out.cached.draft_token_ids and out.propose_drafts  # two left: within the limit again
