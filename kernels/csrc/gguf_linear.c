@@ -44,6 +44,9 @@ enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8
 enum { RUN = 32, SUPER = 256, MAX_FEATURES = 2, MAX_ROW_GROUP = 4, PREFETCH_AHEAD = 8 };
 /* gguf_interleave's layout of Q4_0, Q4_1 and Q8_0 rows, GROUP rows at a time: the type code | INTERLEAVED. */
 enum { INTERLEAVED = 0x100, GROUP = 16, GROUP_PREFETCH_BYTES = 4096 };
+/* An interleaved group multiplies activation rows GROUP_ROWS at a time, each of its weights
+ * decoded once per GROUP_ROWS rows; a sum alone in flight is split into up to DOT_CHAINS. */
+enum { GROUP_ROWS = 8, DOT_CHAINS = 4 };
 enum { GGUF_OK = 0, GGUF_NO_MEMORY = -1, GGUF_UNSUPPORTED_TYPE = -2, GGUF_BAD_SHAPE = -3 };
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
@@ -532,18 +535,18 @@ static inline f32x16 halves_to_floats(const uint8_t *p)
 /* acc[r], lane l: weight row l of `group` dotted with activation row row0 + r (r < rows). */
 static inline __attribute__((always_inline)) void group_dots(
     const int base, const uint8_t *group, int64_t blocks, const struct QuantizedRun *x, int64_t runs_per_row,
-    int64_t row0, const int rows, f32x16 acc[MAX_ROW_GROUP])
+    int64_t row0, const int rows, f32x16 acc[GROUP_ROWS])
 {
     const int64_t bytes = GROUP * block_bytes(base);
     /* A dot-product instruction waits for the one before on the same sum (about 5 cycles): with
      * fewer than four rows each row's sum is split into `chains` independent ones, alternating by
      * pair, so that at least four are in flight. Integer sums: the split changes no bit. */
-    const int chains = (MAX_ROW_GROUP + rows - 1) / rows;
+    const int chains = rows < DOT_CHAINS ? (DOT_CHAINS + rows - 1) / rows : 1;
     for (int r = 0; r < rows; r++) acc[r] = (f32x16){0};
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *run = group + b * bytes, *values = run + scale_bytes(base);
         for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(run + GROUP_PREFETCH_BYTES + line, 0, 0);
-        i32x16 dot[MAX_ROW_GROUP][MAX_ROW_GROUP];
+        i32x16 dot[GROUP_ROWS][DOT_CHAINS];
         for (int r = 0; r < rows; r++)
             for (int j = 0; j < chains; j++) dot[r][j] = (i32x16){0};
         for (int p = 0; base == GGML_Q8_0 && p < RUN / 2; p++) {
@@ -579,7 +582,7 @@ static inline __attribute__((always_inline)) void group_dots(
     }
 }
 
-/* Group g's GROUP outputs of every activation row (activation rows MAX_ROW_GROUP at a time):
+/* Group g's GROUP outputs of every activation row (activation rows GROUP_ROWS at a time):
  * `group` its blocks, `bias` and `out` from its first output column. */
 static void interleaved_group(
     int base, const uint8_t *group, int64_t in_features, const struct QuantizedRun *x, int64_t rows,
@@ -587,16 +590,20 @@ static void interleaved_group(
 {
     const int64_t blocks = in_features / RUN;
     const size_t item = dtype_size(out_dtype);
-    for (int64_t row = 0; row < rows; row += MAX_ROW_GROUP) {
-        f32x16 acc[MAX_ROW_GROUP];
-        const int count = rows - row < MAX_ROW_GROUP ? (int)(rows - row) : MAX_ROW_GROUP;
+    for (int64_t row = 0; row < rows; row += GROUP_ROWS) {
+        f32x16 acc[GROUP_ROWS];
+        const int count = rows - row < GROUP_ROWS ? (int)(rows - row) : GROUP_ROWS;
 #define GROUP_DOTS(BASE, ROWS) group_dots(BASE, group, blocks, x, blocks, row, ROWS, acc)
 #define BY_ROWS(BASE)                          \
     switch (count) {                           \
     case 1: GROUP_DOTS(BASE, 1); break;        \
     case 2: GROUP_DOTS(BASE, 2); break;        \
     case 3: GROUP_DOTS(BASE, 3); break;        \
-    default: GROUP_DOTS(BASE, 4);              \
+    case 4: GROUP_DOTS(BASE, 4); break;        \
+    case 5: GROUP_DOTS(BASE, 5); break;        \
+    case 6: GROUP_DOTS(BASE, 6); break;        \
+    case 7: GROUP_DOTS(BASE, 7); break;        \
+    default: GROUP_DOTS(BASE, 8);              \
     }
         if (base == GGML_Q4_1) {
             BY_ROWS(GGML_Q4_1)
