@@ -1,8 +1,8 @@
 """Tensor and pipeline parallelism across two Ray nodes, each in a network namespace of its own:
 the steps (CurveZMQ) and gloo cross veth links, never loopback. TP=2, PP=2 and PP=2 x TP=2 (each
 stage's two ranks on one node) give one rank's greedy tokens; a node that dies or a link that
-drops fails the in-flight requests, naming a rank and its node, and the engine ends within 30 s
-instead of waiting forever."""
+drops under two tensor-parallel ranks or two pipeline stages fails the in-flight requests,
+naming a rank and its node, and the engine ends within 30 s instead of waiting forever."""
 
 import re
 import threading
@@ -100,10 +100,15 @@ def test_pp2_by_tp2_with_a_stage_on_each_node_gives_the_greedy_tokens_of_one_ran
         assert greedy_tokens(llm) == one_rank_tokens
 
 
-def errors_after(fault: Callable[[], None], model: str, cluster: NamespaceCluster) -> list[str]:
-    """The errors that end a long generation's requests when ``fault`` strikes during it; the
-    engine refuses work afterwards and must shut down within ``ENDS_WITHIN_S`` of the fault."""
-    llm = spread_engine(model, cluster)
+# Two ranks, one on each node: two tensor-parallel ranks, or two pipeline stages.
+SPANS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+
+
+def errors_after(fault: Callable[[], None], model: str, cluster: NamespaceCluster, span: str) -> list[str]:
+    """The errors that end a long generation's requests when ``fault`` strikes during it, on an
+    engine whose ranks span the nodes as ``SPANS[span]``; the engine refuses work afterwards and
+    must shut down within ``ENDS_WITHIN_S`` of the fault."""
+    llm = spread_engine(model, cluster, **SPANS[span])
     struck_at: list[float] = []
 
     def strike() -> None:
@@ -125,8 +130,9 @@ def errors_after(fault: Callable[[], None], model: str, cluster: NamespaceCluste
     return [o.outputs[0].error for o in outputs]
 
 
-def test_a_node_dying_under_a_rank_fails_in_flight_requests_and_the_engine_ends(cluster, model):
-    for error in errors_after(lambda: cluster.kill_node(cluster.nodes[2]), model, cluster):
+@pytest.mark.parametrize("span", list(SPANS))
+def test_a_node_dying_under_a_rank_fails_in_flight_requests_and_the_engine_ends(cluster, model, span):
+    for error in errors_after(lambda: cluster.kill_node(cluster.nodes[2]), model, cluster, span):
         assert re.search(r"worker rank \d on node 10\.213\.0\.[23] (died|failed) .*during step \d+", error), error
 
 
@@ -138,8 +144,9 @@ def lose_every_packet(cluster: NamespaceCluster, node: Node) -> None:
     cluster.netem(node, "loss 100%")
 
 
+@pytest.mark.parametrize("span", list(SPANS))
 @pytest.mark.parametrize("cut_off", [drop_link, lose_every_packet])
-def test_a_node_cut_off_is_detected_by_the_step_timeout_naming_the_ranks_and_their_nodes(cluster, model, cut_off):
+def test_a_node_cut_off_is_detected_by_the_step_timeout_naming_the_ranks_and_their_nodes(cluster, model, cut_off, span):
     if cut_off is lose_every_packet and (why := netem_unavailable()):
         pytest.skip(why)
     node = cluster.nodes[2]
@@ -151,5 +158,5 @@ def test_a_node_cut_off_is_detected_by_the_step_timeout_naming_the_ranks_and_the
     only_it_cut_off = (
         rf"worker rank \d on node {re.escape(node.address)} did not answer Ray within 2 s either: cut off from this node"
     )
-    for error in errors_after(lambda: cut_off(cluster, node), model, cluster):
+    for error in errors_after(lambda: cut_off(cluster, node), model, cluster, span):
         assert re.fullmatch(f"{silent}; {only_it_cut_off}", error), error
