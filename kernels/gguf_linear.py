@@ -25,7 +25,7 @@ _INTERLEAVABLE_BLOCK_BYTES = {TYPES["Q4_0"]: 18, TYPES["Q4_1"]: 20, TYPES["Q8_0"
 
 _BODIES = {2: "AVX512-VNNI int16 dot products", 1: "AVX2 int16 dot products", 0: "portable C"}
 # csrc/gguf_linear.c's status codes.
-_NO_MEMORY, _UNSUPPORTED_TYPE, _BAD_SHAPE = -1, -2, -3
+_NO_MEMORY, _UNSUPPORTED_TYPE, _BAD_SHAPE, _ROW_OUT_OF_RANGE = -1, -2, -3, -4
 
 
 class MatrixStruct(ctypes.Structure):
@@ -154,8 +154,8 @@ def dequantize_rows(part: QuantizedPart, in_features: int, out: torch.Tensor) ->
     if out.shape != (part.rows, in_features) or not out.is_contiguous() or out.dtype not in native.DTYPE_CODES:
         raise ValueError(f"dequantize_rows needs a contiguous [{part.rows}, {in_features}] float output")
     status = native.load_library().gguf_dequantize(
-        part.data.data_ptr(), part.type, part.rows, in_features, None, out.data_ptr(), native.DTYPE_CODES[out.dtype],
-        torch.get_num_threads(),
+        part.data.data_ptr(), part.type, part.rows, in_features, None, part.rows, out.data_ptr(),
+        native.DTYPE_CODES[out.dtype], torch.get_num_threads(),
     )
     _raise_for(status)
 
@@ -164,17 +164,15 @@ def lookup(part: QuantizedPart, in_features: int, ids: torch.Tensor, dtype: torc
     """The float values of ``part``'s rows ``ids`` (int64, any shape; each in ``[0, rows)``),
     ``[*ids.shape, in_features]`` in ``dtype``: an embedding lookup on blocks, either layout."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
-    if flat.numel():
-        low, high = flat.aminmax()
-        if low < 0 or high >= part.rows:
-            raise IndexError(f"row ids must lie in [0, {part.rows})")
     if dtype not in native.DTYPE_CODES:
         raise ValueError(f"lookup needs a float dtype of {', '.join(map(str, native.DTYPE_CODES))}, got {dtype}")
     out = torch.empty(flat.numel(), in_features, dtype=dtype)
     status = native.load_library().gguf_dequantize(
-        part.data.data_ptr(), part.type, flat.numel(), in_features, flat.data_ptr(), out.data_ptr(),
+        part.data.data_ptr(), part.type, flat.numel(), in_features, flat.data_ptr(), part.rows, out.data_ptr(),
         native.DTYPE_CODES[dtype], torch.get_num_threads(),
     )
+    if status == _ROW_OUT_OF_RANGE:
+        raise IndexError(f"row ids must lie in [0, {part.rows})")
     _raise_for(status)
     return out.view(*ids.shape, in_features)
 

@@ -59,7 +59,7 @@ _SIGNATURES = {
     "gguf_linear_supports": ([_i32, _i64], _i32),
     "gguf_linear_body": ([], _i32),
     "gguf_interleave": ([_ptr, _i32, _i64, _i64, _ptr], _i32),
-    "gguf_dequantize": ([_ptr, _i32, _i64, _i64, _ptr, _ptr, _i32, _i32], _i32),
+    "gguf_dequantize": ([_ptr, _i32, _i64, _i64, _ptr, _i64, _ptr, _i32, _i32], _i32),
     # A pointer to kernels/lora.py's LoraPoolStruct, the tokens, their slots, the outputs.
     "lora_add": ([_ptr, _ptr, _i32, _i64, _ptr, _ptr, _i32, _i32], _i32),
 }

@@ -47,7 +47,7 @@ enum { INTERLEAVED = 0x100, GROUP = 16, GROUP_PREFETCH_BYTES = 4096 };
 /* An interleaved group multiplies activation rows GROUP_ROWS at a time, each of its weights
  * decoded once per GROUP_ROWS rows; a sum alone in flight is split into up to DOT_CHAINS. */
 enum { GROUP_ROWS = 8, DOT_CHAINS = 4 };
-enum { GGUF_OK = 0, GGUF_NO_MEMORY = -1, GGUF_UNSUPPORTED_TYPE = -2, GGUF_BAD_SHAPE = -3 };
+enum { GGUF_OK = 0, GGUF_NO_MEMORY = -1, GGUF_UNSUPPORTED_TYPE = -2, GGUF_BAD_SHAPE = -3, GGUF_ROW_OUT_OF_RANGE = -4 };
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
@@ -721,12 +721,16 @@ static inline void store_lanes(vfloat value, int dtype, char *out)
 
 /* out = the float values of `rows` rows of `cols` values each, stored as `type` blocks, rounded
  * to `out_dtype`: exactly ggml's float32 dequantization (half_run_values). With `ids`, out's row
- * n is stored row ids[n] (an embedding lookup; the caller checks the ids), else stored row n. The
+ * n is stored row ids[n] (an embedding lookup), else stored row n; `stored_rows` rows are
+ * stored, and an id outside [0, stored_rows) returns GGUF_ROW_OUT_OF_RANGE before anything is
+ * written (checked here: a lookup's few ids cost a torch reduction more than the decode). The
  * weights hold no NaN (bfloat16 rounding here does not keep one quiet, unlike dtypes.h's). */
-int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, const int64_t *ids, void *out,
-                    int out_dtype, int num_threads)
+int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, const int64_t *ids,
+                    int64_t stored_rows, void *out, int out_dtype, int num_threads)
 {
     if (!block_values(type)) return GGUF_UNSUPPORTED_TYPE;
+    for (int64_t n = 0; ids && n < rows; n++)
+        if (ids[n] < 0 || ids[n] >= stored_rows) return GGUF_ROW_OUT_OF_RANGE;
     if (cols % block_values(type) || (type & INTERLEAVED && !ids && rows % GROUP)) return GGUF_BAD_SHAPE;
     const int base = type & ~INTERLEAVED;
     const int64_t runs_per_row = cols / RUN, runs_per_block = block_values(type) / RUN;

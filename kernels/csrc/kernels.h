@@ -49,8 +49,8 @@ int quantized_linear(const struct QuantizedMatrix *matrix, const void *x, int x_
 int gguf_linear_supports(int type, int64_t in_features);
 int gguf_linear_body(void);
 int gguf_interleave(const uint8_t *data, int type, int64_t rows, int64_t cols, uint8_t *out);
-int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, const int64_t *ids, void *out,
-                    int out_dtype, int num_threads);
+int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, const int64_t *ids,
+                    int64_t stored_rows, void *out, int out_dtype, int num_threads);
 /* One linear's LoRA slots in kernels/lora.py's layout: a [in_features][parts][slots][max_rank],
  * b [slots][max_rank][sum of rows] (each part's B in its own columns, the scale folded in), both
  * in `dtype`; rows[p] is part p's output columns. */

@@ -155,10 +155,12 @@ def test_a_lookup_gives_the_stored_rows_it_names_in_either_layout(body: str, typ
         assert torch.equal(gguf_linear.lookup(part, 256, ids, torch.bfloat16), expected.bfloat16())
 
 
-def test_a_lookup_past_the_stored_rows_is_refused() -> None:
+@pytest.mark.parametrize("ids", [[3, 16], [-1, 3]], ids=["past the rows", "negative"])
+def test_a_lookup_outside_the_stored_rows_is_refused(ids: list[int]) -> None:
     part = part_of("Q8_0", random_blocks("Q8_0", 16, 64))
-    with pytest.raises(IndexError, match="row ids must lie in"):
-        gguf_linear.lookup(part, 64, torch.tensor([3, 16]), torch.float32)
+    for stored in (part, gguf_linear.interleaved(part)):
+        with pytest.raises(IndexError, match=r"row ids must lie in \[0, 16\)"):
+            gguf_linear.lookup(stored, 64, torch.tensor(ids), torch.float32)
 
 
 def test_parts_of_different_types_fill_their_own_columns_and_the_bias_is_added(body: str) -> None:
