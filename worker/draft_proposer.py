@@ -13,6 +13,11 @@ Draft K/V is trusted only for accepted tokens that lie in the row's own blocks
 accepted since, in the same forward that proposes the first draft. A row that enters the
 batch (new, resumed after preemption, or with blocks from the prefix cache or the CPU tier,
 whose draft K/V nobody vouches for) starts from position 0.
+
+That catch-up forward takes at most ``catch_up_budget`` tokens (the step's token budget, so it
+is never larger than the target's largest step): rows are caught up in batch order while the
+budget lasts, the first row it does not cover goes as far as it allows, and the rows not
+caught up propose nothing this step (they decode without drafts) and go on next time.
 """
 
 import numpy as np
@@ -32,7 +37,8 @@ def scratch_blocks_per_row(num_speculative_tokens: int, block_size: int) -> int:
 class DraftProposer:
     """Proposes ``num_speculative_tokens`` greedy drafts per row with ``model`` over
     ``kv_caches`` (one per draft layer, ``num_blocks`` blocks shared by id with the target's
-    cache, then the scratch blocks of up to ``max_rows`` rows)."""
+    cache, then the scratch blocks of up to ``max_rows`` rows), catching up on at most
+    ``catch_up_budget`` tokens per proposal."""
 
     def __init__(
         self,
@@ -43,9 +49,11 @@ class DraftProposer:
         num_speculative_tokens: int,
         num_batch_rows: int,
         max_rows: int,
+        catch_up_budget: int,
         device: torch.device,
     ) -> None:
         self.model = model
+        self.catch_up_budget = catch_up_budget
         self.kv_caches = kv_caches
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -59,23 +67,31 @@ class DraftProposer:
         self.computed[row] = 0
 
     def propose(self, batch: InputBatch, rows: np.ndarray) -> np.ndarray:
-        """``[len(rows), k]`` drafts continuing each row's tokens."""
+        """``[p, k]`` drafts continuing the tokens of ``rows[:p]``: the rows whose catch-up fit
+        the budget (``p`` may be 0; the rest propose at a later step)."""
         assert len(rows) <= self.max_rows, f"{len(rows)} rows propose, the draft cache has scratch for {self.max_rows}"
         num_tokens = batch.num_tokens[rows]
         start = self.computed[rows]
-        tables = self._block_tables(batch, rows, int(num_tokens.max()) + self.k - 1)
+        behind = num_tokens - start  # >= 1: at least the token the target produced last
+        counts = np.clip(self.catch_up_budget - (np.cumsum(behind) - behind), 0, behind)
+        fed = int(np.count_nonzero(counts))
+        caught_up = int(np.count_nonzero(counts == behind))  # a prefix of the fed rows
+        drafts = np.empty((caught_up, self.k), dtype=np.int64)
+        if fed == 0:
+            return drafts
+        rows, start, counts = rows[:fed], start[:fed], counts[:fed]
+        seq_lens = start + counts
+        tables = self._block_tables(batch, rows, int(seq_lens.max()) + self.k - 1)
         # Catch up on the accepted tokens, the last one's logits giving the first draft.
-        counts = num_tokens - start
-        token_row = np.repeat(np.arange(len(rows)), counts)
+        token_row = np.repeat(np.arange(fed), counts)
         positions = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts - start, counts)
-        drafts = np.empty((len(rows), self.k), dtype=np.int64)
         token_ids = batch.token_ids[rows[token_row], positions]
-        drafts[:, 0] = self._greedy(token_ids, positions, token_row, tables, counts, num_tokens)
-        every_row, ones = np.arange(len(rows)), np.ones(len(rows), dtype=np.int64)
-        for j in range(1, self.k):
-            positions = num_tokens + j - 1
-            drafts[:, j] = self._greedy(drafts[:, j - 1], positions, every_row, tables, ones, positions + 1)
-        self.computed[rows] = np.minimum(num_tokens, batch.num_blocks[rows] * self.block_size)
+        drafts[:, 0] = self._greedy(token_ids, positions, token_row, tables, counts, seq_lens)[:caught_up]
+        self.computed[rows] = np.minimum(seq_lens, batch.num_blocks[rows] * self.block_size)
+        every_row, ones = np.arange(caught_up), np.ones(caught_up, dtype=np.int64)
+        for j in range(1, self.k if caught_up else 1):
+            positions = seq_lens[:caught_up] + j - 1
+            drafts[:, j] = self._greedy(drafts[:, j - 1], positions, every_row, tables[:caught_up], ones, positions + 1)
         return drafts
 
     def _block_tables(self, batch: InputBatch, rows: np.ndarray, max_len: int) -> np.ndarray:

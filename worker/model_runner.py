@@ -81,7 +81,8 @@ class ModelRunner:
             scratch = config.max_num_seqs * scratch_blocks_per_row(config.num_speculative_tokens, self.block_size)
             self.drafter = DraftProposer(
                 draft, self._kv_caches(draft, self.num_blocks + scratch), self.num_blocks, self.block_size,
-                config.num_speculative_tokens, num_batch_rows, config.max_num_seqs, self.device,
+                config.num_speculative_tokens, num_batch_rows, config.max_num_seqs, config.max_num_batched_tokens,
+                self.device,
             )
             logger.info(
                 "rank %d: draft model: %d layers, %.1f MB of weights, its KV cache %.1f MB",
@@ -223,6 +224,7 @@ class ModelRunner:
         drafts = self.drafter.propose(self.batch, rows[positions])
         if self.tp.rank != 0:
             return {}
+        # The first len(drafts) rows proposed; the others are still catching up.
         return {int(position): pack_tokens(row_drafts) for position, row_drafts in zip(positions, drafts.tolist())}
 
     def _send_sampled(self, done: np.ndarray, sampled: np.ndarray, produced: dict[int, list[int]]) -> None:

@@ -58,6 +58,27 @@ def test_a_self_draft_with_every_layer_has_every_draft_accepted(target, expected
     assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
 
 
+def test_a_catch_up_longer_than_the_step_budget_is_spread_over_steps(target, expected):
+    # A 16-token budget against prompts of up to 40 tokens: no draft forward may take more, and
+    # a row not yet caught up decodes without drafts, so the tokens stay the target's.
+    with LLM(target, skip_tokenizer=True, dtype="float32", executor="uni", max_num_batched_tokens=16,
+             speculative_method="draft", speculative_model=target, num_speculative_tokens=4) as llm:
+        drafter = llm.engine.core.executor.runner.drafter
+        forward_sizes = []
+        greedy = drafter._greedy
+
+        def counted_greedy(token_ids, *rest):
+            forward_sizes.append(len(token_ids))
+            return greedy(token_ids, *rest)
+
+        drafter._greedy = counted_greedy
+        tokens = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        stats = llm.stats
+    assert tokens == expected
+    assert max(forward_sizes) == 16
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
+
+
 def test_seeded_sampled_requests_with_a_self_draft_draw_the_tokens_they_draw_without(target):
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
     with LLM(target, skip_tokenizer=True, dtype="float32", executor="uni") as llm:

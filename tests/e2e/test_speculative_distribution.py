@@ -48,8 +48,12 @@ def next_token_probabilities(model: torch.nn.Module, tokens: list[int]) -> np.nd
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_sampled_tokens_with_drafts_follow_the_targets_distribution(target, method):
     path, model = target
-    # The draft model: the target's first layer, a guess that is often right and often not.
+    # The draft model: the target's first layer, a guess that is often right and often not. Its
+    # first forward catches up on every request's prompt: a step budget with room for them all
+    # lets every request propose at once.
     draft = {"speculative_model": path, "speculative_draft_layers": 1} if method == "draft" else {}
+    if method == "draft":
+        draft["max_num_batched_tokens"] = NUM_DRAWS * (len(PROMPT) + 1)
     params = [SamplingParams(temperature=TEMPERATURE, seed=seed, max_tokens=3, ignore_eos=True) for seed in range(NUM_DRAWS)]
     with LLM(path, skip_tokenizer=True, dtype="float32", executor="uni", speculative_method=method,
              num_speculative_tokens=2, speculative_disable_by_batch_size=NUM_DRAWS, **draft) as llm:
