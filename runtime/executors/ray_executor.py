@@ -144,10 +144,12 @@ class RayExecutor(ZmqExecutor):
             return f"worker rank {rank} on node {self._node_ips[rank]}"
         return super()._rank_name(rank)
 
-    def _why_silent(self, ranks: list[int]) -> str:
-        """Which of the silent ranks' actors do not answer Ray either: those are cut off (their
-        node unreachable, or too loaded to answer), the others wait on them in a collective."""
-        pings = {rank: self._actors[rank].node_ip.remote() for rank in ranks}
+    def _why_silent(self) -> str:
+        """Which ranks' actors do not answer Ray either: those are cut off (their node
+        unreachable, or too loaded to answer). Every rank is asked, not only the silent ones: a
+        silent rank may wait on one that answered the step before it was cut off (a pipeline
+        stage waiting for the hidden states of the stage before it, or a collective)."""
+        pings = {rank: actor.node_ip.remote() for rank, actor in enumerate(self._actors)}
         answered, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_TIMEOUT_S, fetch_local=False)
         cut_off = [self._rank_name(rank) for rank, ping in pings.items() if ping not in answered]
         if not cut_off:

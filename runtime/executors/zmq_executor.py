@@ -214,7 +214,7 @@ class ZmqExecutor(ABC):
                 silent = ", ".join(self._rank_name(rank) for rank in sorted(waiting_for))
                 raise ExecutorFailed(
                     f"{silent} did not answer {what} within {self.worker_timeout_s:.0f} s"
-                    f"{self._why_silent(sorted(waiting_for))}"
+                    f"{self._why_silent()}"
                 )
 
     def _diagnose(self, failure: WorkerFailed | None, what: str) -> str:
@@ -235,8 +235,8 @@ class ZmqExecutor(ABC):
         """How errors name ``rank`` (the Ray executor adds its node)."""
         return f"worker rank {rank}"
 
-    def _why_silent(self, ranks: list[int]) -> str:
-        """What more can be told about ranks that stopped answering, to append to the error."""
+    def _why_silent(self) -> str:
+        """What more can be told about why ranks stopped answering, to append to the error."""
         return ""
 
     def stats(self) -> dict[str, float]:
