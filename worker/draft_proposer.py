@@ -77,8 +77,6 @@ class DraftProposer:
         fed = int(np.count_nonzero(counts))
         caught_up = int(np.count_nonzero(counts == behind))  # a prefix of the fed rows
         drafts = np.empty((caught_up, self.k), dtype=np.int64)
-        if fed == 0:
-            return drafts
         rows, start, counts = rows[:fed], start[:fed], counts[:fed]
         seq_lens = start + counts
         tables = self._block_tables(batch, rows, int(seq_lens.max()) + self.k - 1)
@@ -88,8 +86,10 @@ class DraftProposer:
         token_ids = batch.token_ids[rows[token_row], positions]
         drafts[:, 0] = self._greedy(token_ids, positions, token_row, tables, counts, seq_lens)[:caught_up]
         self.computed[rows] = np.minimum(seq_lens, batch.num_blocks[rows] * self.block_size)
+        if caught_up == 0:
+            return drafts
         every_row, ones = np.arange(caught_up), np.ones(caught_up, dtype=np.int64)
-        for j in range(1, self.k if caught_up else 1):
+        for j in range(1, self.k):
             positions = seq_lens[:caught_up] + j - 1
             drafts[:, j] = self._greedy(drafts[:, j - 1], positions, every_row, tables[:caught_up], ones, positions + 1)
         return drafts
