@@ -106,12 +106,6 @@ def _check(
         )
 
 
-def chunk_kernel_available() -> bool:
-    """Whether this machine's build has ``chunk_attention``'s kernel (a CPU with AVX512-BF16)."""
-    library = native.load_library()
-    return library is not None and bool(library.chunk_attention_bf16_available())
-
-
 def chunk_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -121,29 +115,41 @@ def chunk_attention(
     out: torch.Tensor,
     sliding_window: int | None = None,
 ) -> bool:
-    """Attention of one chunk's new tokens ``query`` ``[rows, heads, head_dim]`` (bfloat16, heads
-    contiguous; the last ``rows`` positions of a context of ``context``) over the bfloat16 paged
+    """Attention of one chunk's new tokens ``query`` ``[rows, heads, head_dim]`` (heads
+    contiguous; the last ``rows`` positions of a context of ``context``) over the paged
     ``kv_cache`` through ``blocks`` (int32, the chunk's block table row), causal, within the last
-    ``sliding_window`` positions if given, into ``out`` (bfloat16, contiguous, same shape), with
-    ``vdpbf16ps`` (``csrc/chunk_attention_avx512bf16.c``). Returns False, having written nothing,
-    where that kernel does not take the chunk: a CPU without AVX512-BF16, other dtypes or head
-    sizes (the caller then runs torch's)."""
+    ``sliding_window`` positions if given, into ``out`` (contiguous, query's shape and dtype).
+
+    In bfloat16 on a CPU with AVX512-BF16 it multiplies with ``vdpbf16ps``
+    (``csrc/chunk_attention_avx512bf16.c``); otherwise in float32 (``csrc/chunk_attention.c``),
+    whatever the dtypes. Returns False, having written nothing, where no kernel takes the chunk
+    (the C kernels are not built, a shape ``supports`` refuses, or a work buffer could not be
+    allocated): the caller then runs torch's."""
     library = native.load_library()
-    rows = query.shape[0]
+    rows, num_heads = query.shape[:2]
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     if (
         library is None
-        or query.dtype != torch.bfloat16
-        or kv_cache.dtype != torch.bfloat16
-        or out.dtype != torch.bfloat16
+        or not supports(num_heads, num_kv_heads, head_dim, block_size)
+        or query.dtype not in native.DTYPE_CODES
+        or kv_cache.dtype not in native.DTYPE_CODES
+        or out.dtype != query.dtype
         or query.stride(2) != 1
         or not (out.is_contiguous() and kv_cache.is_contiguous() and blocks.is_contiguous())
         or blocks.dtype != torch.int32
-        or blocks.numel() * kv_cache.shape[2] < context
+        or blocks.numel() * block_size < context
     ):
         return False
-    status = library.chunk_attention_bf16(
-        query.data_ptr(), query.stride(0), query.stride(1), kv_cache.data_ptr(), kv_cache.shape[1],
-        kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4], blocks.data_ptr(), rows, context,
-        query.shape[1], sliding_window or 0, scale, out.data_ptr(), torch.get_num_threads(),
+    common = (
+        num_blocks, block_size, num_kv_heads, head_dim, blocks.data_ptr(), rows, context, num_heads,
+        sliding_window or 0, scale, out.data_ptr(), torch.get_num_threads(),
+    )
+    if query.dtype == kv_cache.dtype == torch.bfloat16 and library.chunk_attention_bf16_available():
+        status = library.chunk_attention_bf16(query.data_ptr(), query.stride(0), query.stride(1), kv_cache.data_ptr(), *common)
+        if status == 0:
+            return True
+    status = library.chunk_attention(
+        query.data_ptr(), query.stride(0), query.stride(1), native.DTYPE_CODES[query.dtype], kv_cache.data_ptr(),
+        native.DTYPE_CODES[kv_cache.dtype], *common,
     )
     return status == 0

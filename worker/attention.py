@@ -91,9 +91,10 @@ class CpuAttentionBackend:
     """The C kernel compiled for this CPU (kernels/csrc): the CPU path where a C compiler exists.
     Attention shapes the kernel does not handle run the torch reference instead. Chunks of at
     least ``LONG_CHUNK_TOKENS`` new tokens are GEMMs, where the paged kernel's single pass over
-    the cache (what memory-bound decodes want) is slow: in bfloat16 on a CPU with AVX512-BF16
-    they run ``cpu_attention.chunk_attention`` (``vdpbf16ps``, about 1.7x torch's fused attention
-    on EPYC-Zen4), elsewhere torch's fused CPU attention."""
+    the cache (what memory-bound decodes want) is slow: they run ``cpu_attention.chunk_attention``
+    (``vdpbf16ps`` in bfloat16 on a CPU with AVX512-BF16, about 1.7x torch's fused attention on
+    EPYC-Zen4; float32 arithmetic elsewhere, about 1.4x torch's on Xeon-AVX512), and torch's
+    fused attention only where that kernel cannot run."""
 
     LONG_CHUNK_TOKENS = 64
 
@@ -103,7 +104,6 @@ class CpuAttentionBackend:
     def __init__(self) -> None:
         if not cpu_attention.is_available():
             raise RuntimeError("the cpu attention backend needs a C compiler (see kernels.native); use --attention-backend torch")
-        self.chunk_kernel = cpu_attention.chunk_kernel_available()
 
     def forward(
         self,
@@ -122,21 +122,20 @@ class CpuAttentionBackend:
             return reference.paged_attention(
                 query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, sliding_window=sliding_window
             )
-        bf16_chunks = query.dtype == kv_cache.dtype == torch.bfloat16 and self.chunk_kernel
         long_chunks = meta.long_chunks.get(sliding_window)
         if long_chunks is None:
             long_chunks = meta.long_chunks[sliding_window] = reference.plan_chunks(
                 meta.block_tables, meta.query_start_loc, meta.seq_lens, block_size, sliding_window, self.LONG_CHUNK_TOKENS,
-                slice_masked=not bf16_chunks,  # the C kernel skips what each row does not see
+                slice_masked=False,  # the C kernels skip what each row does not see
             )
         out = cpu_attention.paged_attention(
             query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
             sliding_window=sliding_window, long_chunk_tokens=self.LONG_CHUNK_TOKENS if long_chunks else None,
         )
         for chunk in long_chunks:
-            if not (bf16_chunks and cpu_attention.chunk_attention(
+            if not cpu_attention.chunk_attention(
                 query[chunk.rows], kv_cache, chunk.blocks, chunk.context, scale, out[chunk.rows], sliding_window
-            )):
+            ):
                 reference.chunk_attention(query, kv_cache, chunk, scale, out)
         return out
 

@@ -80,12 +80,13 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=40)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
 
     llm = LLM(executor="uni", dtype=args.dtype)
     core = llm.engine.core
     runner = core.executor.runner
+    dtype = str(runner.dtype).removeprefix("torch.")
     timers: Timers = collections.defaultdict(float)
     calls: collections.Counter[str] = collections.Counter()
     time_calls(core, "step", "step", timers, calls)
@@ -96,8 +97,12 @@ def main() -> None:
     time_calls(cpu_decoder_layer, "attention_block", "fused attention halves", timers, calls)
     time_calls(cpu_decoder_layer, "mlp_block", "fused MLP halves", timers, calls)
     time_calls(tp_layers, "linear", "module-path linears", timers, calls)
+    for module in runner.model.modules():
+        # The decoder's GGUF-block linears; the head's, also a QuantizedWeight, is the LM head's row.
+        if isinstance(module, PlannedLinear) and not isinstance(module, tp_layers.ParallelLMHead) and module.quantized is not None:
+            time_calls(module.quantized, "linear", "module-path linears", timers, calls)
     time_calls(cpu_attention, "paged_attention", "module-path attention, C kernel", timers, calls)
-    time_calls(cpu_attention, "chunk_attention", "module-path attention, long chunks (C, bfloat16)", timers, calls)
+    time_calls(cpu_attention, "chunk_attention", "module-path attention, long chunks (C)", timers, calls)
     time_calls(reference, "chunk_attention", "module-path attention, long chunks (torch)", timers, calls)
     time_calls(cpu_kv_cache, "write_kv_cache", "module-path KV writes", timers, calls)
     for name in ("rms_norm", "rotary_embedding_", "silu_and_mul"):
@@ -122,7 +127,7 @@ def main() -> None:
 
     decoder_parts = [
         "fused layers, all in one call", "fused attention halves", "fused MLP halves", "module-path linears", "module-path attention, C kernel",
-        "module-path attention, long chunks (C, bfloat16)", "module-path attention, long chunks (torch)",
+        "module-path attention, long chunks (C)", "module-path attention, long chunks (torch)",
         "module-path KV writes", "module-path norms, rotary, SwiGLU",
     ]
     execute_parts = ["input preparation", "decoder", "LM head", "sampler"]
@@ -136,7 +141,7 @@ def main() -> None:
     rows.append(("execute / rest (batch update, metadata, sampled tokens)",
                  ms["execute"] - sum(ms.get(part, 0.0) for part in execute_parts)))
     rows.append(("scheduler and output processing", ms["step"] - ms["execute"]))
-    print(f"{args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len}, {args.dtype}: "
+    print(f"{args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len}, {dtype}: "
           f"{elapsed * 1e3 / steps:.1f} ms per step, {args.num_prompts * args.output_len / elapsed:.1f} output tokens/s")
     print("| part | ms per step | share of the step |")
     print("|---|---|---|")

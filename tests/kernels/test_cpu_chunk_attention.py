@@ -1,32 +1,55 @@
-"""The bfloat16 chunk attention (``kernels.cpu_attention.chunk_attention``, ``vdpbf16ps``) equals
-float64 attention on the same bfloat16 values within what its roundings allow.
+"""The chunk attention (``kernels.cpu_attention.chunk_attention``) equals float64 attention on
+the same values within what its roundings allow, in each build this CPU runs: the kernels' own
+(``vdpbf16ps`` for bfloat16 where the CPU has AVX512-BF16, float32 arithmetic otherwise) and an
+AVX2 build (float32 arithmetic whatever the dtypes).
 
-The scores are exact bfloat16 products summed in float32; the probabilities are rounded to
-bfloat16 (relative error at most 2^-9 each, so the weighted sum of values moves by at most
-2^-9 of the largest value magnitude), and the output is rounded to bfloat16 once (2^-9 of its
-magnitude). The bound below doubles both.
+In bfloat16 the scores are exact products summed in float32; the bfloat16 kernel rounds the
+probabilities to bfloat16 (relative error at most 2^-9 each, so the weighted sum of values moves by
+at most 2^-9 of the largest value magnitude), and the output is rounded to bfloat16 once (2^-9 of
+its magnitude): the bound doubles both. In float32 only float32 sums round.
 """
+
+import ctypes
+import shutil
 
 import pytest
 import torch
 
-from strata.kernels import cpu_attention
-
-pytestmark = pytest.mark.skipif(
-    not cpu_attention.chunk_kernel_available(), reason="the chunk kernel needs a CPU with AVX512-BF16"
-)
+from strata.kernels import cpu_attention, native
 
 BLOCK_SIZE = 16
+AVX2 = "x86-64-v3"
+SOURCES = [native.SOURCE_DIR / "chunk_attention.c", native.SOURCE_DIR / "chunk_attention_avx512bf16.c"]
 
 
-def paged_chunk(rows: int, context: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
-    """A bfloat16 cache holding one sequence's ``context`` positions in shuffled blocks, and
-    ``rows`` new tokens' queries as a strided view of a wider projection."""
+@pytest.fixture(params=["native", AVX2], scope="module")
+def build(request, tmp_path_factory) -> None:
+    """Each build this CPU runs: the kernels' own, then an AVX2 one of the chunk kernels."""
+    if native.load_library() is None:
+        pytest.skip("no C kernels on this machine")
+    if request.param == "native":
+        yield
+        return
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    output = tmp_path_factory.mktemp("chunk-builds") / "chunk-avx2.so"
+    native.compile_library("cc", [f"-march={AVX2}" if f == "-march=native" else f for f in native.FLAGS], output, SOURCES)
+    library = native.declare_signatures(ctypes.CDLL(str(output)), ["chunk_attention", "chunk_attention_bf16_available"])
+    assert not library.chunk_attention_bf16_available()
+    patch = pytest.MonkeyPatch()
+    patch.setattr(native, "load_library", lambda: library)
+    yield
+    patch.undo()
+
+
+def paged_chunk(rows: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype=torch.bfloat16, seed=0):
+    """A cache holding one sequence's ``context`` positions in shuffled blocks, and ``rows`` new
+    tokens' queries as a strided view of a wider projection."""
     generator = torch.Generator().manual_seed(seed)
     num_blocks = -(-context // BLOCK_SIZE)
-    cache = torch.randn(2, num_blocks + 5, BLOCK_SIZE, kv_heads, head_dim, generator=generator).bfloat16()
+    cache = torch.randn(2, num_blocks + 5, BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(dtype)
     blocks = torch.randperm(num_blocks + 5, generator=generator)[:num_blocks].int()
-    projection = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=generator).bfloat16()
+    projection = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=generator).to(dtype)
     return cache, blocks, projection[:, :heads]
 
 
@@ -47,11 +70,13 @@ def expected_attention(cache, blocks, query, context, scale, sliding_window=None
 
 
 def assert_within_roundings(out: torch.Tensor, expected: torch.Tensor, values: torch.Tensor) -> None:
-    bound = 2**-8 * expected.abs() + 2**-8 * values.abs().max().double() + 1e-6
+    rounding = 2**-8 if out.dtype == torch.bfloat16 else 1e-5
+    bound = rounding * expected.abs() + rounding * values.abs().max().double() + 1e-6
     excess = (out.double() - expected).abs() - bound
     assert (excess <= 0).all(), f"largest excess over the bound: {excess.max().item():.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
 @pytest.mark.parametrize(
     "rows, context, heads, kv_heads, head_dim, sliding_window",
     [
@@ -60,19 +85,29 @@ def assert_within_roundings(out: torch.Tensor, expected: torch.Tensor, values: t
         (77, 500, 9, 3, 64, 40),  # a sliding window shorter than the chunk
         (70, 200, 8, 1, 128, None),  # head_dim 128, eight query heads on one KV head
         (65, 65, 4, 4, 64, None),  # no grouping; a last item of fewer query vectors
+        (40, 90, 4, 2, 96, None),  # a head size without a body of its own
+        (50, 600, 8, 2, 256, 300),  # head_dim 256 under a window
     ],
-    ids=["whole-prompt", "after-context", "window", "head-dim-128", "no-groups"],
+    ids=["whole-prompt", "after-context", "window", "head-dim-128", "no-groups", "head-dim-96", "head-dim-256"],
 )
 def test_chunk_attention_equals_float64_attention_within_its_roundings(
-    rows, context, heads, kv_heads, head_dim, sliding_window
+    build, dtype, rows, context, heads, kv_heads, head_dim, sliding_window
 ):
-    cache, blocks, query = paged_chunk(rows, context, heads, kv_heads, head_dim)
-    out = torch.empty(rows, heads, head_dim, dtype=torch.bfloat16)
+    cache, blocks, query = paged_chunk(rows, context, heads, kv_heads, head_dim, dtype)
+    out = torch.empty(rows, heads, head_dim, dtype=dtype)
     assert cpu_attention.chunk_attention(query, cache, blocks, context, 0.125, out, sliding_window)
     assert_within_roundings(out, expected_attention(cache, blocks, query, context, 0.125, sliding_window), cache[1])
 
 
-def test_positions_outside_the_context_are_never_read():
+def test_a_float32_query_over_a_bfloat16_cache_is_attended_in_float32(build):
+    cache, blocks, query = paged_chunk(80, 200, 6, 2, 64)
+    query = query.float()
+    out = torch.empty(80, 6, 64)
+    assert cpu_attention.chunk_attention(query, cache, blocks, 200, 0.125, out)
+    assert_within_roundings(out, expected_attention(cache, blocks, query, 200, 0.125), cache[1])
+
+
+def test_positions_outside_the_context_are_never_read(build):
     cache, blocks, query = paged_chunk(64, 100, 6, 2, 64)
     expected = expected_attention(cache, blocks, query, 100, 0.125)
     tail = cache[:, blocks[-1].long()].clone()
@@ -83,12 +118,10 @@ def test_positions_outside_the_context_are_never_read():
     assert_within_roundings(out, expected, cache[1][blocks.long()].flatten(0, 1)[:100])
 
 
-@pytest.mark.parametrize("what", ["float32-query", "head-dim-96"])
-def test_chunks_the_kernel_does_not_take_are_left_untouched(what):
-    head_dim = 96 if what == "head-dim-96" else 64
+@pytest.mark.parametrize("what", ["output-dtype", "head-dim-72"])
+def test_chunks_the_kernel_does_not_take_are_left_untouched(build, what):
+    head_dim = 72 if what == "head-dim-72" else 64
     cache, blocks, query = paged_chunk(64, 64, 4, 2, head_dim)
-    if what == "float32-query":
-        query = query.float()
-    out = torch.zeros(64, 4, head_dim, dtype=torch.bfloat16)
+    out = torch.zeros(64, 4, head_dim, dtype=torch.float32 if what == "output-dtype" else torch.bfloat16)
     assert not cpu_attention.chunk_attention(query, cache, blocks, 64, 0.125, out)
     assert out.eq(0).all()

@@ -1,0 +1,230 @@
+/* Attention of a prefill chunk's new tokens over their paged context, in float32, for every CPU
+ * (GCC vector extensions: AVX-512 registers where the CPU has them, pairs of AVX2 registers
+ * elsewhere) and every cache dtype. chunk_attention_avx512bf16.c takes bfloat16 chunks where the
+ * CPU has AVX512-BF16; this one takes the rest.
+ *
+ * Each KV head's keys and values are first packed from the paged cache as float32: keys per tile
+ * of 16 positions as [head_dim][16 positions], so that one query value broadcast against one load
+ * gives 16 positions' partial dot products; values as [positions][head_dim]. Then each item,
+ * GROUPS row groups of `rows` query vectors (token x query head of one KV head; the queries
+ * pre-scaled), walks the context TILE positions at a time. On each tile every group in turn
+ * computes its rows x TILE scores, updates its online softmax and adds the values into its
+ * rows x head_dim float32 sums, held in registers meanwhile: the tile's keys and values come from
+ * memory once per item and from L1 for the other groups. `rows` is chosen so that the sums fill
+ * about half of AVX-512's registers (docs/attention.md).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "vector_math.h"
+
+enum { TILE = 64, SUBTILES = TILE / LANES, MAX_ROWS = 4, MAX_DIM = 256, GROUPS = 8 };
+
+typedef struct {
+    const char *query;
+    int64_t query_token_stride, query_head_stride; /* in elements */
+    int dtype; /* the query's and the output's */
+    const float *keys, *values; /* packed, per KV head */
+    int64_t packed_positions; /* the context rounded up to TILE */
+    int64_t rows, context;
+    int num_heads, num_kv_heads, head_dim, sliding_window;
+    float scale;
+    char *out;
+} Chunk;
+
+/* Positions [first, end) of head h: keys as [tiles of LANES][head_dim][LANES], values as
+ * [positions][head_dim]; zeros past the context. */
+static void pack_head(const char *key_cache, const char *value_cache, int cache_dtype, const int32_t *blocks,
+                      int block_size, int kv_heads, int head_dim, int64_t context, int64_t first, int64_t end, int h,
+                      float *keys, float *values)
+{
+    float row[MAX_DIM];
+    const size_t element = dtype_size(cache_dtype);
+    for (int64_t p = first; p < end; p++) {
+        float *value_row = values + p * head_dim, *key_tile = keys + (p / LANES) * LANES * head_dim;
+        if (p >= context) {
+            memset(value_row, 0, sizeof(float) * head_dim);
+            for (int d = 0; d < head_dim; d++) key_tile[d * LANES + p % LANES] = 0.f;
+            continue;
+        }
+        const int64_t offset = (((int64_t)blocks[p / block_size] * block_size + p % block_size) * kv_heads + h) * head_dim;
+        load_row(value_cache + offset * element, cache_dtype, value_row, head_dim);
+        load_row(key_cache + offset * element, cache_dtype, row, head_dim);
+        for (int d = 0; d < head_dim; d++) key_tile[d * LANES + p % LANES] = row[d];
+    }
+}
+
+/* The running state of one query vector: its (pre-scaled) query, the positions it sees, and its
+ * online softmax. */
+typedef struct {
+    float q[MAX_DIM];
+    int64_t first, visible;
+    float running_max;
+    vfloat denominator;
+} Query;
+
+/* Scores, online softmax and value sums of `rows` query vectors over one tile of TILE positions,
+ * with `acc` the rows x chunks sums (chunks = head_dim / LANES). Inlined where rows and chunks are
+ * constants and `acc` a local array of exactly that size, so that the sums stay in registers. */
+static inline __attribute__((always_inline)) void attend_tile(Query *query, const float *key_tile,
+                                                              const float *value_tile, int64_t tile, int masked,
+                                                              const int rows, const int chunks, vfloat *acc)
+{
+    const int head_dim = chunks * LANES;
+    vfloat scores[MAX_ROWS][SUBTILES];
+    for (int r = 0; r < rows; r++)
+        for (int s = 0; s < SUBTILES; s++) scores[r][s] = (vfloat){0};
+    for (int d = 0; d < head_dim; d++)
+        for (int s = 0; s < SUBTILES; s++) {
+            vfloat k;
+            memcpy(&k, key_tile + (s * head_dim + d) * LANES, sizeof k);
+            for (int r = 0; r < rows; r++) scores[r][s] += query[r].q[d] * k;
+        }
+    float weights[MAX_ROWS][TILE] __attribute__((aligned(64)));
+    for (int r = 0; r < rows; r++) {
+        Query *v = &query[r];
+        if (masked)
+            for (int s = 0; s < SUBTILES; s++) {
+                const vint position = LANE_INDEX + (int)(tile + s * LANES);
+                const vint seen = (position < (int)v->visible) & (position >= (int)v->first);
+                scores[r][s] = select_lanes(seen, scores[r][s], (vfloat){0} - INFINITY);
+            }
+        vfloat lane_max = scores[r][0];
+        for (int s = 1; s < SUBTILES; s++) lane_max = select_lanes(scores[r][s] > lane_max, scores[r][s], lane_max);
+        const float tile_max = max_of_lanes(lane_max);
+        if (tile_max == -INFINITY) { /* nothing of this tile is seen by this vector */
+            memset(weights[r], 0, sizeof weights[r]);
+            continue;
+        }
+        const float new_max = tile_max > v->running_max ? tile_max : v->running_max;
+        const float correction = v->running_max == -INFINITY ? 0.f : exp_lanes((vfloat){0} + (v->running_max - new_max))[0];
+        vfloat sum = {0};
+        for (int s = 0; s < SUBTILES; s++) {
+            const vfloat p = exp_lanes(scores[r][s] - new_max);
+            sum += p;
+            memcpy(weights[r] + s * LANES, &p, sizeof p);
+        }
+        v->denominator = v->denominator * correction + sum;
+        v->running_max = new_max;
+        if (correction != 1.f)
+            for (int d = 0; d < chunks; d++) acc[r * chunks + d] *= correction;
+    }
+    for (int p = 0; p < TILE; p++) {
+        const float *value_row = value_tile + p * head_dim;
+        for (int d = 0; d < chunks; d++) {
+            vfloat v;
+            memcpy(&v, value_row + d * LANES, sizeof v);
+            for (int r = 0; r < rows; r++) acc[r * chunks + d] += weights[r][p] * v;
+        }
+    }
+}
+
+/* One item: up to GROUPS x rows query vectors x0 .. x0 + n - 1 of KV head h (vector x: token
+ * x / group, query head h * group + x % group), walked over the context together so that each
+ * tile of keys and values, read once from memory, serves them all from the cache. */
+static inline __attribute__((always_inline)) void attend_item(const Chunk *c, int h, int64_t x0, int n,
+                                                              const int rows, const int chunks)
+{
+    const int head_dim = chunks * LANES, group = c->num_heads / c->num_kv_heads;
+    const int used = (n + rows - 1) / rows; /* row groups */
+    const float *keys = c->keys + h * c->packed_positions * head_dim;
+    const float *values = c->values + h * c->packed_positions * head_dim;
+    Query query[GROUPS * MAX_ROWS];
+    vfloat sums[GROUPS][MAX_ROWS * MAX_DIM / LANES];
+    int64_t start = INT64_MAX, end = 0, unmasked_from = 0, unmasked_to = INT64_MAX;
+    for (int r = 0; r < used * rows; r++) {
+        const int64_t x = x0 + (r < n ? r : n - 1); /* a partial item repeats its last vector */
+        const int64_t token = x / group, head = (int64_t)h * group + x % group;
+        Query *v = &query[r];
+        load_row(c->query + (token * c->query_token_stride + head * c->query_head_stride) * dtype_size(c->dtype),
+                 c->dtype, v->q, head_dim);
+        for (int d = 0; d < head_dim; d++) v->q[d] *= c->scale;
+        v->visible = c->context - c->rows + token + 1;
+        v->first = c->sliding_window && v->visible > c->sliding_window ? v->visible - c->sliding_window : 0;
+        v->running_max = -INFINITY;
+        v->denominator = (vfloat){0};
+        start = v->first < start ? v->first : start;
+        end = v->visible > end ? v->visible : end;
+        unmasked_from = v->first > unmasked_from ? v->first : unmasked_from;
+        unmasked_to = v->visible < unmasked_to ? v->visible : unmasked_to;
+    }
+    memset(sums, 0, sizeof sums);
+    for (int64_t tile = start / TILE * TILE; tile < end; tile += TILE) {
+        const int masked = tile < unmasked_from || tile + TILE > unmasked_to;
+        for (int g = 0; g < used; g++) {
+            vfloat acc[MAX_ROWS * MAX_DIM / LANES];
+            memcpy(acc, sums[g], sizeof(vfloat) * rows * chunks);
+            attend_tile(query + g * rows, keys + tile * head_dim, values + tile * head_dim, tile, masked, rows,
+                        chunks, acc);
+            memcpy(sums[g], acc, sizeof(vfloat) * rows * chunks);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        const int64_t x = x0 + r, token = x / group, head = (int64_t)h * group + x % group;
+        const float inverse = 1.f / sum_of_lanes(query[r].denominator);
+        float result[MAX_DIM];
+        for (int d = 0; d < chunks; d++) {
+            const vfloat scaled = sums[r / rows][(r % rows) * chunks + d] * inverse;
+            memcpy(result + d * LANES, &scaled, sizeof scaled);
+        }
+        store_row(result, c->dtype, c->out + (token * c->num_heads + head) * head_dim * dtype_size(c->dtype), head_dim);
+    }
+}
+
+#define ATTEND(ROWS, CHUNKS)                                                           \
+    static void attend_##ROWS##x##CHUNKS(const Chunk *c, int h, int64_t x0, int n)     \
+    {                                                                                  \
+        attend_item(c, h, x0, n, ROWS, CHUNKS);                                        \
+    }
+ATTEND(4, 4)
+ATTEND(2, 8)
+ATTEND(1, 16)
+
+/* Any other head size (a multiple of LANES up to MAX_DIM), one vector per row group. */
+static void attend_any(const Chunk *c, int h, int64_t x0, int n) { attend_item(c, h, x0, n, 1, c->head_dim / LANES); }
+
+int chunk_attention(const char *query, int64_t query_token_stride, int64_t query_head_stride, int dtype,
+                    const char *kv_cache, int cache_dtype, int64_t num_blocks, int block_size, int num_kv_heads,
+                    int head_dim, const int32_t *blocks, int64_t rows, int64_t context, int num_heads,
+                    int sliding_window, float scale, char *out, int num_threads)
+{
+    if (head_dim % LANES || head_dim > MAX_DIM || num_heads % num_kv_heads || rows < 1 || rows > context) return -1;
+    const int64_t positions = (context + TILE - 1) / TILE * TILE;
+    const size_t bytes = sizeof(float) * (size_t)(num_kv_heads * positions * head_dim);
+    float *keys = aligned_alloc(64, bytes), *values = aligned_alloc(64, bytes);
+    if (!keys || !values) {
+        free(keys);
+        free(values);
+        return -1;
+    }
+    const char *value_cache = kv_cache + num_blocks * block_size * num_kv_heads * head_dim * dtype_size(cache_dtype);
+    const int64_t tiles = positions / TILE;
+#pragma omp parallel for num_threads(num_threads)
+    for (int64_t i = 0; i < tiles * num_kv_heads; i++) {
+        const int h = (int)(i % num_kv_heads);
+        const int64_t tile = i / num_kv_heads * TILE;
+        pack_head(kv_cache, value_cache, cache_dtype, blocks, block_size, num_kv_heads, head_dim, context, tile,
+                  tile + TILE, h, keys + h * positions * head_dim, values + h * positions * head_dim);
+    }
+    const Chunk chunk = {
+        .query = query, .query_token_stride = query_token_stride, .query_head_stride = query_head_stride,
+        .dtype = dtype, .keys = keys, .values = values, .packed_positions = positions, .rows = rows,
+        .context = context, .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
+        .sliding_window = sliding_window, .scale = scale, .out = out,
+    };
+    void (*attend)(const Chunk *, int, int64_t, int) = head_dim == 64 ? attend_4x4 : head_dim == 128 ? attend_2x8
+                                                       : head_dim == 256 ? attend_1x16 : attend_any;
+    const int item = GROUPS * (head_dim == 64 ? 4 : head_dim == 128 ? 2 : 1);
+    const int64_t vectors = rows * (num_heads / num_kv_heads), items = (vectors + item - 1) / item;
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+    for (int64_t i = 0; i < items * num_kv_heads; i++) {
+        const int h = (int)(i % num_kv_heads);
+        const int64_t x0 = i / num_kv_heads * item;
+        attend(&chunk, h, x0, vectors - x0 < item ? (int)(vectors - x0) : item);
+    }
+    free(keys);
+    free(values);
+    return 0;
+}
