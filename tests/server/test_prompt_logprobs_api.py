@@ -79,9 +79,9 @@ def test_streamed_echo_with_logprobs_equals_the_whole_response(client, model):
         parts = streamed[choice.index]
         assert "".join(parts["text"]) == choice.text
         assert parts["tokens"] == choice.logprobs.tokens
-        # The two calls' steps may batch the rows differently, and float32 GEMMs sum them in an
-        # order that depends on the rows: 7e-7 seen.
-        assert parts["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-5)
+        # The two calls' steps may batch the rows differently, and float32 sums then run in an
+        # order that depends on the rows: 7e-7 seen on EPYC, 1.2e-5 on Xeon-AVX512 (float32 model).
+        assert parts["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-4)
         assert parts["text_offset"] == choice.logprobs.text_offset
 
 
