@@ -67,7 +67,7 @@ typedef struct {
 
 /* Scores, online softmax and value sums of `rows` query vectors over one tile of TILE positions,
  * with `acc` the rows x chunks sums (chunks = head_dim / LANES). Inlined where rows and chunks are
- * constants and `acc` a local array of exactly that size, so that the sums stay in registers. */
+ * constants and `acc` a local array indexed only by them, so that the sums stay in registers. */
 static inline __attribute__((always_inline)) void attend_tile(Query *query, const float *key_tile,
                                                               const float *value_tile, int64_t tile, int masked,
                                                               const int rows, const int chunks, vfloat *acc)
