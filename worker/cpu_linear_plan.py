@@ -31,7 +31,7 @@ from strata.worker.parallel_state import TensorParallel
 from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, linear
 
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32)
-QUANTIZED_CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+QUANTIZED_CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 SAMPLE_FEATURES = 1024  # output features of the timed slice: the per-weight cost, in a few ms
 TIMED_REPEATS = 5
 

@@ -22,7 +22,7 @@ from torch import nn
 from transformers import PreTrainedConfig
 
 from strata.kernels import cpu_decoder_layer, cpu_layers
-from strata.worker.attention import AttentionBackend, AttentionMetadata
+from strata.worker.attention import AttentionBackend, AttentionMetadata, CpuAttentionBackend
 from strata.worker.layers import RMSNorm, RotaryEmbedding, apply_rotary, partition_heads, silu_and_mul
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.pipeline_parallel import WHOLE_MODEL, PipelineStage
@@ -242,10 +242,13 @@ class LlamaModel(nn.Module):
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
     ) -> cpu_decoder_layer.Step | None:
         """The step's arguments for the layers' fused C halves, or None: no layer is fused, the
-        step has more rows than they take, or it has rows with LoRA adapters (the C halves
-        cannot add their deltas)."""
+        step has more rows than they take, a chunk long enough for the module path's chunk
+        attention (the fused halves attend with the paged kernel only), or rows with LoRA
+        adapters (the C halves cannot add their deltas)."""
         fused = self.layers[self.stage_layers.start].fused
         if fused is None or hidden.shape[0] > fused.max_rows:
+            return None
+        if meta.max_query_len is not None and meta.max_query_len >= CpuAttentionBackend.LONG_CHUNK_TOKENS:
             return None
         if self.lora_step is not None and self.lora_step.active:
             return None

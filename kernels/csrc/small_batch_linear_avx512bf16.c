@@ -36,13 +36,13 @@ static inline __attribute__((always_inline)) void dot_block(
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < OUTS; j++) acc[r][j] = _mm512_setzero_ps();
     /* Group weight rows are contiguous: prefetching PREFETCH_BYTES past each keeps a stream a few
-     * KB ahead whatever the row length (non-temporal: the weights are read once per step). */
+     * KB ahead whatever the row length (into every cache level, as small_batch_linear.c says why). */
     for (int64_t k = 0; k < in_features; k += PAIRS) {
         const __mmask32 mask = in_features - k >= PAIRS ? 0xffffffffu : 0xffffu;
         __m512bh weights[OUTS];
         for (int j = 0; j < OUTS; j++) {
             weights[j] = load_pairs(w[j] + k, mask);
-            _mm_prefetch((const char *)(w[j] + k) + PREFETCH_BYTES, _MM_HINT_NTA);
+            _mm_prefetch((const char *)(w[j] + k) + PREFETCH_BYTES, _MM_HINT_T0);
         }
         for (int r = 0; r < rows; r++) {
             const __m512bh input = load_pairs(x + r * in_features + k, mask);

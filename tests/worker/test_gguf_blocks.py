@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from strata.kernels import cpu_linear, gguf_linear, native
+from strata.kernels import cpu_attention, cpu_linear, gguf_linear, native
+from strata.worker.attention import CpuAttentionBackend
 from strata.worker.gguf_weights import GgufTensor
 from strata.worker.llama import LlamaForCausalLM
 from strata.worker.model_loader import quantized_weights_file, resolve_model_path
@@ -48,7 +49,9 @@ def assert_greedy_equal_up_to_a_near_tie(hf: PreTrainedModel, prompts: list[list
                 break
 
 
-FUSED_ROWS = 2 * cpu_linear.MAX_ROWS  # past what the fused layers take on streamed bfloat16 weights
+# Past what the fused layers take on streamed bfloat16 weights, and past a chunk long enough for
+# the chunk attention: steps of up to this many rows multiply the blocks in the fused halves.
+FUSED_ROWS = 4 * cpu_linear.MAX_ROWS
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +110,19 @@ def test_fused_halves_on_blocks_give_exactly_the_module_logits(
             layer.fused = halves
     assert fused_tokens == tokens
     assert torch.equal(fused_logits, logits)
+
+
+def test_a_prefill_chunk_long_enough_for_the_chunk_attention_leaves_the_fused_halves(
+    default_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 3 + 64 rows, fewer than FUSED_ROWS: the 64-token chunk is the module path's (the
+    # fused halves attend with the paged kernel only); the 3 decode steps after it are fused.
+    prompts = [[1, 19, 253], list(range(1000, 1000 + CpuAttentionBackend.LONG_CHUNK_TOKENS))]
+    stack_calls = count_calls(monkeypatch, "decoder_stack")
+    chunk_calls = count_calls(monkeypatch, "chunk_attention", cpu_attention)
+    greedy_decode(PagedRunner(default_model), prompts, 4)
+    assert stack_calls[0] == 3
+    assert chunk_calls[0] == default_model.num_layers
 
 
 def test_gemma3_270m_blocks_of_four_types_decode_hfs_greedy_tokens_up_to_a_near_tie() -> None:

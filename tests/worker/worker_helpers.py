@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -101,6 +102,7 @@ class PagedRunner:
             block_tables=block_tables.int().to(device),
             query_start_loc=torch.cumsum(torch.tensor([0] + lengths), 0).int().to(device),
             seq_lens=(starts + torch.tensor(lengths)).int().to(device),
+            max_query_len=max(lengths),
         )
         input_ids = torch.tensor([token for _, tokens in chunks for token in tokens], device=device)
         hidden = self.model(input_ids, positions.to(device), self.kv_caches, meta)
@@ -162,14 +164,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
-    """Count the calls of ``cpu_decoder_layer.name`` from now on, in the returned list's one item."""
+def count_calls(monkeypatch: pytest.MonkeyPatch, name: str, module: ModuleType = cpu_decoder_layer) -> list[int]:
+    """Count the calls of ``module.name`` from now on, in the returned list's one item."""
     calls = [0]
-    original: Callable[..., object] = getattr(cpu_decoder_layer, name)
+    original: Callable[..., object] = getattr(module, name)
 
-    def counted(*args: object) -> object:
+    def counted(*args: object, **kwargs: object) -> object:
         calls[0] += 1
-        return original(*args)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_decoder_layer, name, counted)
+    monkeypatch.setattr(module, name, counted)
     return calls
