@@ -1,16 +1,22 @@
 /* Paged attention for a ragged mixed batch on the CPU: the same contract as
  * kernels/reference.py's paged_attention (which it is tested against), computed in float32
- * with an online softmax, one pass over each sequence's paged context.
+ * with an online softmax.
  *
- * Work is split into items of (sequence, tile of up to QUERY_TILE consecutive new tokens,
- * KV head). An item walks its context 16 positions at a time: the 16 key rows are converted
- * once and shared by every query row of the item (its tokens x the query heads of the KV
- * head), each query row's 16 dot products are summed by a shuffle tree instead of 16
- * horizontal reductions, and each value row is converted once and added into every row. Where
- * the next tile's block does not follow this one's in memory, its rows are prefetched
- * meanwhile: decode attention is bound by these reads. With a sliding window the walk starts
- * at the first tile any row of the item sees, so positions (and whole blocks) behind every
- * row's window are never read.
+ * A tile of 16 positions at a time: the 16 key rows of a KV head are converted once and shared
+ * by every query row of that head, each query row's 16 dot products are summed by a shuffle tree
+ * instead of 16 horizontal reductions, and each value row is converted once and added into
+ * every row. Work is split into two kinds of items:
+ * - A sequence with one new token (a decode row) walks a span of its context with all its KV
+ *   heads at once, so that it reads each block's keys and values whole, front to back: one KV
+ *   head's rows alone are a quarter to a half of each position's bytes, and such a strided walk
+ *   reads at half the bandwidth of a contiguous one (Xeon-AVX512, 2 threads: 13 against 24-27
+ *   GB/s). A long context is split into spans, enough of them to keep every thread busy, whose
+ *   partial softmaxes are joined afterwards.
+ * - Several new tokens go QUERY_TILE at a time, a KV head per item (their rows share each
+ *   read). Where the next tile's block does not follow this one's in memory, its rows are
+ *   prefetched meanwhile.
+ * With a sliding window the walk starts at the first tile any row of the item sees, so
+ * positions (and whole blocks) behind every row's window are never read.
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,6 +26,9 @@
 #include "vector_math.h"
 
 enum { QUERY_TILE = 8, MAX_GROUP = 16, MAX_CHUNKS = 16 };
+/* A decode row's context is split into spans of at least MIN_SPAN positions, as many as give
+ * SPANS_PER_THREAD spans per thread over the whole batch's decode rows. */
+enum { MIN_SPAN = 64, SPANS_PER_THREAD = 4 };
 
 typedef struct {
     const char *query; /* [tokens, heads, head_dim], last dim contiguous */
@@ -69,94 +78,247 @@ static inline __attribute__((always_inline)) void load_tile(
             tile[p][c] = p < len ? load_lanes(first + p * stride + c * LANES * dtype_size(dtype), dtype) : (vfloat){0};
 }
 
-/* One item: `num_tokens` new tokens of `seq` from query row `row` on, KV head `kv_head`.
+/* Where the tile from position `start` of KV head `kv_head` of `seq` begins in the cache, in
+ * elements from the keys' (or the values') start. */
+static inline int64_t tile_offset(const Batch *b, int seq, int kv_head, int start, int head_dim)
+{
+    const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
+    const int64_t position_stride = (int64_t)b->num_kv_heads * head_dim;
+    return (int64_t)blocks[start / b->block_size] * b->block_size * position_stride
+           + (start % b->block_size) * position_stride + (int64_t)kv_head * head_dim;
+}
+
+/* Rows x < rows (query vectors q, each seeing positions [first[x], visible[x])) score the tile
+ * of 16 positions from `start` (its key rows `keys`) into their online softmax: per row the
+ * largest score so far (running_max), the sum of e^(score - that) (denominator) and the value
+ * rows weighted by those terms (acc, not yet divided; rescaled here, added to in add_values).
+ * weights[x]: the tile's terms for row x. */
+static inline __attribute__((always_inline)) void score_tile(
+    int start, const int rows, const int chunks, const vfloat q[rows][chunks], const int visible[rows],
+    const int first[rows], const vfloat keys[LANES][chunks], float running_max[rows], float denominator[rows],
+    vfloat acc[rows][chunks], vfloat weights[rows])
+{
+    vfloat partial[LANES];
+    for (int x = 0; x < rows; x++) {
+        if (start >= visible[x] || start + LANES <= first[x]) continue;
+        for (int p = 0; p < LANES; p++) {
+            partial[p] = q[x][0] * keys[p][0];
+            for (int c = 1; c < chunks; c++) partial[p] += q[x][c] * keys[p][c];
+        }
+        const vint in_view = (LANE_INDEX < (visible[x] - start)) & (LANE_INDEX >= (first[x] - start));
+        const vfloat scores = select_lanes(in_view, sum_each(partial), (vfloat){0} - INFINITY);
+        const float tile_max = max_of_lanes(scores);
+        const float new_max = tile_max > running_max[x] ? tile_max : running_max[x];
+        const float correction = exp_lanes((vfloat){0} + (running_max[x] - new_max))[0];
+        weights[x] = exp_lanes(scores - new_max);
+        denominator[x] = denominator[x] * correction + sum_of_lanes(weights[x]);
+        running_max[x] = new_max;
+        if (correction != 1.f)
+            for (int c = 0; c < chunks; c++) acc[x][c] *= correction;
+    }
+}
+
+/* acc[x] += the tile's value rows weighted by weights[x], for the rows score_tile scored. */
+static inline __attribute__((always_inline)) void add_values(
+    int start, const int rows, const int chunks, const int visible[rows], const int first[rows],
+    const vfloat values[LANES][chunks], const vfloat weights[rows], vfloat acc[rows][chunks])
+{
+    for (int x = 0; x < rows; x++) {
+        if (start >= visible[x] || start + LANES <= first[x]) continue;
+        for (int c = 0; c < chunks; c++) {
+            vfloat sum = acc[x][c];
+            for (int p = 0; p < LANES; p++) sum += weights[x][p] * values[p][c];
+            acc[x][c] = sum;
+        }
+    }
+}
+
+/* q[c] = the 16 values of `head`'s query for `token` from c * 16, scaled. */
+static inline __attribute__((always_inline)) void load_query(
+    const Batch *b, int64_t token, int head, const int chunks, vfloat q[chunks])
+{
+    const size_t item = dtype_size(b->query_dtype);
+    const char *src = b->query + (token * b->query_token_stride + head * b->query_head_stride) * item;
+    for (int c = 0; c < chunks; c++) q[c] = load_lanes(src + c * LANES * item, b->query_dtype) * b->scale;
+}
+
+/* out's row for `head` of `token`: acc / denominator. */
+static inline __attribute__((always_inline)) void store_head(
+    const Batch *b, int64_t token, int head, const int chunks, const vfloat acc[chunks], float denominator)
+{
+    float result[chunks * LANES];
+    for (int c = 0; c < chunks; c++) {
+        const vfloat divided = acc[c] * (1.f / denominator);
+        memcpy(result + c * LANES, &divided, sizeof divided);
+    }
+    const int64_t element = (token * b->num_heads + head) * (int64_t)chunks * LANES;
+    store_row(result, b->query_dtype, b->out + element * dtype_size(b->query_dtype), chunks * LANES);
+}
+
+/* One item of new tokens: `num_tokens` of `seq` from query row `row` on, KV head `kv_head`.
  * Inlined with a constant chunk count for the common head sizes so the loops unroll. */
 static inline __attribute__((always_inline)) void attend_tile(
     const Batch *b, int seq, int64_t row, int num_tokens, int kv_head, const int chunks)
 {
-    const int head_dim = chunks * LANES, group = b->num_heads / b->num_kv_heads;
-    const int rows = num_tokens * group, block_size = b->block_size;
-    const int64_t position_stride = (int64_t)b->num_kv_heads * head_dim;
-    const int64_t block_stride = block_size * position_stride;
-    const size_t cache_item = dtype_size(b->cache_dtype), query_item = dtype_size(b->query_dtype);
+    const int group = b->num_heads / b->num_kv_heads, rows = num_tokens * group;
     /* Row x is token x / group and query head kv_head * group + x % group; it sees positions
      * [first[x], visible[x]) (causal: the new tokens are the last ones of the context; a
      * sliding window of w positions ends at the token's own). */
     const int last_visible = b->seq_lens[seq] - (b->query_start_loc[seq + 1] - (int)(row + num_tokens));
     const int window = b->sliding_window;
-    vfloat q[rows][chunks], acc[rows][chunks], keys[LANES][chunks], values[LANES][chunks], partial[LANES];
+    vfloat q[rows][chunks], acc[rows][chunks];
     float running_max[rows], denominator[rows];
-    vfloat weights[rows];
     int visible[rows], first[rows];
     for (int x = 0; x < rows; x++) {
-        const int token = x / group, head = kv_head * group + x % group;
-        const char *src = b->query + ((row + token) * b->query_token_stride + head * b->query_head_stride) * query_item;
-        for (int c = 0; c < chunks; c++) {
-            q[x][c] = load_lanes(src + c * LANES * query_item, b->query_dtype) * b->scale;
-            acc[x][c] = (vfloat){0};
-        }
+        load_query(b, row + x / group, kv_head * group + x % group, chunks, q[x]);
+        for (int c = 0; c < chunks; c++) acc[x][c] = (vfloat){0};
         running_max[x] = -INFINITY;
         denominator[x] = 0.f;
-        visible[x] = last_visible - (num_tokens - 1 - token);
+        visible[x] = last_visible - (num_tokens - 1 - x / group);
         first[x] = window && visible[x] > window ? visible[x] - window : 0;
     }
+    const int head_dim = chunks * LANES;
+    const int64_t position_bytes = (int64_t)b->num_kv_heads * head_dim * dtype_size(b->cache_dtype);
     const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
+    vfloat keys[LANES][chunks], values[LANES][chunks], weights[rows];
     /* Row 0 (the item's first token) has the earliest window; tiles stay LANES-aligned. */
     for (int start = first[0] / LANES * LANES; start < last_visible; start += LANES) {
         const int len = last_visible - start < LANES ? last_visible - start : LANES;
-        const int64_t offset = (int64_t)blocks[start / block_size] * block_stride
-                               + (start % block_size) * position_stride + (int64_t)kv_head * head_dim;
-        const int next = start + LANES;
-        /* Where the next tile's block does not follow this tile's in memory, its rows are
-         * fetched ahead: the hardware prefetchers follow a contiguous walk on their own, and
-         * prefetching that too costs more than it saves (11-15% of a decode's attention). */
-        const int next_block = next / block_size, this_block = start / block_size;
+        const int64_t offset = tile_offset(b, seq, kv_head, start, head_dim) * dtype_size(b->cache_dtype);
+        /* Where the next tile's block does not follow this one's in memory, its rows are fetched
+         * ahead: the hardware prefetchers follow a contiguous walk on their own, and prefetching
+         * that too costs more than it saves (11-15% of a decode's attention, on the AMD machine). */
+        const int next = start + LANES, next_block = next / b->block_size, this_block = start / b->block_size;
         if (next < last_visible && next_block != this_block && blocks[next_block] != blocks[this_block] + 1) {
-            const int64_t next_offset = (int64_t)blocks[next_block] * block_stride
-                                        + (next % block_size) * position_stride + (int64_t)kv_head * head_dim;
+            const int64_t next_offset = tile_offset(b, seq, kv_head, next, head_dim) * dtype_size(b->cache_dtype);
             for (int p = 0; p < LANES; p++)
-                for (size_t line = 0; line < head_dim * cache_item; line += 64) {
-                    __builtin_prefetch(b->keys + (next_offset + p * position_stride) * cache_item + line);
-                    __builtin_prefetch(b->values + (next_offset + p * position_stride) * cache_item + line);
+                for (int64_t line = 0; line < head_dim * (int64_t)dtype_size(b->cache_dtype); line += 64) {
+                    __builtin_prefetch(b->keys + next_offset + p * position_bytes + line);
+                    __builtin_prefetch(b->values + next_offset + p * position_bytes + line);
                 }
         }
-        load_tile(b->keys + offset * cache_item, position_stride * cache_item, len, b->cache_dtype, chunks, keys);
-        for (int x = 0; x < rows; x++) {
-            if (start >= visible[x] || start + LANES <= first[x]) continue;
-            for (int p = 0; p < LANES; p++) {
-                partial[p] = q[x][0] * keys[p][0];
-                for (int c = 1; c < chunks; c++) partial[p] += q[x][c] * keys[p][c];
-            }
-            const vint in_view = (LANE_INDEX < (visible[x] - start)) & (LANE_INDEX >= (first[x] - start));
-            const vfloat scores = select_lanes(in_view, sum_each(partial), (vfloat){0} - INFINITY);
-            const float tile_max = max_of_lanes(scores);
-            const float new_max = tile_max > running_max[x] ? tile_max : running_max[x];
-            const float correction = exp_lanes((vfloat){0} + (running_max[x] - new_max))[0];
-            weights[x] = exp_lanes(scores - new_max);
-            const float sum = sum_of_lanes(weights[x]);
-            denominator[x] = denominator[x] * correction + sum;
-            running_max[x] = new_max;
-            if (correction != 1.f)
-                for (int c = 0; c < chunks; c++) acc[x][c] *= correction;
+        load_tile(b->keys + offset, position_bytes, len, b->cache_dtype, chunks, keys);
+        score_tile(start, rows, chunks, q, visible, first, keys, running_max, denominator, acc, weights);
+        load_tile(b->values + offset, position_bytes, len, b->cache_dtype, chunks, values);
+        add_values(start, rows, chunks, visible, first, values, weights, acc);
+    }
+    for (int x = 0; x < rows; x++)
+        store_head(b, row + x / group, kv_head * group + x % group, chunks, acc[x], denominator[x]);
+}
+
+/* The positions a decode row of `seq` sees, [*first, last), its first tile LANES-aligned. */
+static void decode_range(const Batch *b, int seq, int *first, int *last)
+{
+    *last = b->seq_lens[seq];
+    const int window = b->sliding_window;
+    *first = (window && *last > window ? *last - window : 0) / LANES * LANES;
+}
+
+/* tile[h][p] = KV head h's row at position p of the tile whose rows start at `rows`, for the
+ * `len` positions in the context (zero past them), loaded position by position: a position's
+ * rows of every KV head lie side by side, so the tile is read front to back. With `ahead` >= 0,
+ * each position's keys and values of the tile `ahead` bytes into the cache are prefetched as
+ * its rows are loaded. */
+static inline __attribute__((always_inline)) void load_positions(
+    const Batch *b, const char *rows, int len, int64_t ahead, const int chunks,
+    vfloat tile[b->num_kv_heads][LANES][chunks])
+{
+    const int kv_heads = b->num_kv_heads, dtype = b->cache_dtype;
+    const int64_t chunk_bytes = LANES * dtype_size(dtype), row_bytes = chunks * chunk_bytes;
+    const int64_t position_bytes = kv_heads * row_bytes;
+    for (int p = 0; p < LANES; p++) {
+        for (int64_t line = 0; ahead >= 0 && line < position_bytes; line += 64) {
+            __builtin_prefetch(b->keys + ahead + p * position_bytes + line);
+            __builtin_prefetch(b->values + ahead + p * position_bytes + line);
         }
-        load_tile(b->values + offset * cache_item, position_stride * cache_item, len, b->cache_dtype, chunks, values);
-        for (int x = 0; x < rows; x++) {
-            if (start >= visible[x] || start + LANES <= first[x]) continue;
-            for (int c = 0; c < chunks; c++) {
-                vfloat sum = acc[x][c];
-                for (int p = 0; p < LANES; p++) sum += weights[x][p] * values[p][c];
-                acc[x][c] = sum;
-            }
+        for (int h = 0; h < kv_heads; h++)
+            for (int c = 0; c < chunks; c++)
+                tile[h][p][c] = p < len ? load_lanes(rows + p * position_bytes + h * row_bytes + c * chunk_bytes, dtype)
+                                        : (vfloat){0};
+    }
+}
+
+/* Floats of a span's partial softmax per head: its largest score, denominator and acc. */
+static size_t partial_floats(int head_dim) { return 2 + (size_t)head_dim; }
+
+/* One decode item: the new token of `seq` (query row `row`) over positions [start, end), all
+ * its heads, the tiles' KV heads one after another. With `partial` NULL the span is the whole
+ * context and out's rows are written; else each head's partial softmax goes to `partial`
+ * (partial_floats per head), for join_spans. */
+static inline __attribute__((always_inline)) void attend_span(
+    const Batch *b, int seq, int64_t row, int start, int end, float *partial, const int chunks)
+{
+    const int heads = b->num_heads, group = heads / b->num_kv_heads, last_visible = b->seq_lens[seq];
+    const int window = b->sliding_window, first_visible = window && last_visible > window ? last_visible - window : 0;
+    vfloat q[heads][chunks], acc[heads][chunks];
+    float running_max[heads], denominator[heads];
+    int visible[MAX_GROUP], first[MAX_GROUP];
+    for (int x = 0; x < group; x++) {
+        visible[x] = last_visible;
+        first[x] = first_visible;
+    }
+    for (int h = 0; h < heads; h++) {
+        load_query(b, row, h, chunks, q[h]);
+        for (int c = 0; c < chunks; c++) acc[h][c] = (vfloat){0};
+        running_max[h] = -INFINITY;
+        denominator[h] = 0.f;
+    }
+    const int kv_heads = b->num_kv_heads, head_dim = chunks * LANES;
+    const size_t cache_item = dtype_size(b->cache_dtype);
+    const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
+    vfloat tile_rows[kv_heads][LANES][chunks], weights[heads];
+    for (int tile = start; tile < end; tile += LANES) {
+        const int len = last_visible - tile < LANES ? last_visible - tile : LANES;
+        const int64_t offset = tile_offset(b, seq, 0, tile, head_dim) * cache_item;
+        /* Where the next tile's block does not follow this one's, its rows are fetched as this
+         * tile's keys are loaded. */
+        const int next = tile + LANES, next_block = next / b->block_size, this_block = tile / b->block_size;
+        const int64_t ahead = next < end && next_block != this_block && blocks[next_block] != blocks[this_block] + 1
+                                  ? tile_offset(b, seq, 0, next, head_dim) * (int64_t)cache_item : -1;
+        load_positions(b, b->keys + offset, len, ahead, chunks, tile_rows);
+        for (int kv_head = 0; kv_head < kv_heads; kv_head++) {
+            const int h = kv_head * group;
+            score_tile(tile, group, chunks, q + h, visible, first, tile_rows[kv_head], running_max + h, denominator + h,
+                       acc + h, weights + h);
+        }
+        load_positions(b, b->values + offset, len, -1, chunks, tile_rows);
+        for (int kv_head = 0; kv_head < kv_heads; kv_head++) {
+            const int h = kv_head * group;
+            add_values(tile, group, chunks, visible, first, tile_rows[kv_head], weights + h, acc + h);
         }
     }
-    for (int x = 0; x < rows; x++) {
-        const int token = x / group, head = kv_head * group + x % group;
-        float result[head_dim];
-        for (int c = 0; c < chunks; c++) memcpy(result + c * LANES, &acc[x][c], sizeof(vfloat));
-        const float inverse = 1.f / denominator[x];
-        for (int d = 0; d < head_dim; d++) result[d] *= inverse;
-        store_row(result, b->query_dtype, b->out + (((row + token) * b->num_heads + head) * (int64_t)head_dim) * query_item,
-                  head_dim);
+    for (int h = 0; h < heads; h++) {
+        if (!partial) {
+            store_head(b, row, h, chunks, acc[h], denominator[h]);
+            continue;
+        }
+        float *entry = partial + h * partial_floats(chunks * LANES);
+        entry[0] = running_max[h];
+        entry[1] = denominator[h];
+        memcpy(entry + 2, acc[h], sizeof acc[h]);
+    }
+}
+
+/* out's rows for the decode row `row`: its `spans` partial softmaxes (from `partial`) joined. */
+static void join_spans(const Batch *b, int64_t row, int spans, const float *partial, int head_dim)
+{
+    const size_t stride = partial_floats(head_dim);
+    for (int h = 0; h < b->num_heads; h++) {
+        float joint = -INFINITY, denominator = 0.f, acc[head_dim];
+        for (int i = 0; i < spans; i++) {
+            const float span_max = partial[(i * b->num_heads + h) * stride];
+            joint = span_max > joint ? span_max : joint;
+        }
+        for (int d = 0; d < head_dim; d++) acc[d] = 0.f;
+        for (int i = 0; i < spans; i++) {
+            const float *entry = partial + (i * b->num_heads + h) * stride;
+            const float weight = exp_lanes((vfloat){0} + (entry[0] - joint))[0];
+            denominator += entry[1] * weight;
+            for (int d = 0; d < head_dim; d++) acc[d] += entry[2 + d] * weight;
+        }
+        for (int d = 0; d < head_dim; d++) acc[d] /= denominator;
+        const int64_t element = (row * b->num_heads + h) * (int64_t)head_dim;
+        store_row(acc, b->query_dtype, b->out + element * dtype_size(b->query_dtype), head_dim);
     }
 }
 
@@ -167,6 +329,51 @@ static void attend_item(const Batch *b, int seq, int64_t row, int num_tokens, in
     case 128: attend_tile(b, seq, row, num_tokens, kv_head, 8); break;
     default: attend_tile(b, seq, row, num_tokens, kv_head, head_dim / LANES);
     }
+}
+
+static void attend_decode_item(const Batch *b, int seq, int64_t row, int start, int end, float *partial, int head_dim)
+{
+    switch (head_dim) {
+    case 64: attend_span(b, seq, row, start, end, partial, 4); break;
+    case 128: attend_span(b, seq, row, start, end, partial, 8); break;
+    default: attend_span(b, seq, row, start, end, partial, head_dim / LANES);
+    }
+}
+
+/* An item of the work list: QUERY_TILE new tokens (fewer at a sequence's end) of `seq` from
+ * query row `row` and KV head `part`; or a decode row's span of positions from `part`, whose
+ * row's first span starts at `span_of` (-1 for a tile), its partial softmax going to entry
+ * `partial` (-1: the span is the whole context, the row is written directly). */
+struct Item {
+    int32_t seq, part, span_of;
+    int64_t row, partial;
+};
+
+/* The batch's items, into `items` (NULL: only counted): the count, and in *partial_spans the
+ * spans that need a partial entry. */
+static int64_t list_items(const Batch *b, int num_seqs, int long_chunk_tokens, int span, struct Item *items,
+                          int64_t *partial_spans)
+{
+    int64_t n = 0;
+    *partial_spans = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int tokens = b->query_start_loc[s + 1] - b->query_start_loc[s];
+        if (tokens == 1) {
+            int first, last;
+            decode_range(b, s, &first, &last);
+            const int spans = (last - first + span - 1) / span;
+            for (int i = 0; i < spans; i++, n++)
+                if (items)
+                    items[n] = (struct Item){s, first + i * span, first, b->query_start_loc[s],
+                                             spans > 1 ? *partial_spans + i : -1};
+            if (spans > 1) *partial_spans += spans;
+        } else if (tokens > 1 && (!long_chunk_tokens || tokens < long_chunk_tokens)) {
+            for (int64_t row = b->query_start_loc[s]; row < b->query_start_loc[s + 1]; row += QUERY_TILE)
+                for (int kv_head = 0; kv_head < b->num_kv_heads; kv_head++, n++)
+                    if (items) items[n] = (struct Item){s, kv_head, -1, row, -1};
+        }
+    }
+    return n;
 }
 
 /* Whether paged_attention handles these shapes (kernels/cpu_attention.py's `supports`). */
@@ -190,27 +397,6 @@ int paged_attention(
     void *out, int num_threads)
 {
     if (!paged_attention_supports(num_heads, num_kv_heads, head_dim, block_size)) return -1;
-    int64_t num_tiles = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        const int tokens = query_start_loc[s + 1] - query_start_loc[s];
-        if (!long_chunk_tokens || tokens < long_chunk_tokens) num_tiles += (tokens + QUERY_TILE - 1) / QUERY_TILE;
-    }
-    /* tile_seq[i], tile_row[i]: the sequence and first query row of tile i. */
-    int32_t *tile_seq = malloc(sizeof(int32_t) * (num_tiles + 1));
-    int64_t *tile_row = malloc(sizeof(int64_t) * (num_tiles + 1));
-    if (!tile_seq || !tile_row) {
-        free(tile_seq);
-        free(tile_row);
-        return -1;
-    }
-    int64_t n = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        if (long_chunk_tokens && query_start_loc[s + 1] - query_start_loc[s] >= long_chunk_tokens) continue;
-        for (int64_t row = query_start_loc[s]; row < query_start_loc[s + 1]; row += QUERY_TILE) {
-            tile_seq[n] = s;
-            tile_row[n++] = row;
-        }
-    }
     const size_t cache_bytes = (size_t)num_blocks * block_size * num_kv_heads * head_dim * dtype_size(cache_dtype);
     const Batch batch = {
         .query = query, .query_token_stride = query_token_stride, .query_head_stride = query_head_stride,
@@ -220,14 +406,49 @@ int paged_attention(
         .query_start_loc = query_start_loc, .seq_lens = seq_lens, .sliding_window = sliding_window,
         .scale = scale, .out = out,
     };
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
-    for (int64_t i = 0; i < num_tiles * num_kv_heads; i++) {
-        const int64_t tile = i / num_kv_heads, row = tile_row[tile];
-        const int s = tile_seq[tile], end = query_start_loc[s + 1];
-        const int tokens = end - row < QUERY_TILE ? (int)(end - row) : QUERY_TILE;
-        attend_item(&batch, s, row, tokens, (int)(i % num_kv_heads), head_dim);
+    /* The span length: the decode rows' positions over SPANS_PER_THREAD spans per thread. */
+    int64_t decode_positions = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        if (query_start_loc[s + 1] - query_start_loc[s] != 1) continue;
+        int first, last;
+        decode_range(&batch, s, &first, &last);
+        decode_positions += last - first;
     }
-    free(tile_seq);
-    free(tile_row);
+    const int64_t per_span = decode_positions / ((int64_t)SPANS_PER_THREAD * num_threads) + 1;
+    const int span = per_span < MIN_SPAN ? MIN_SPAN : (int)((per_span + LANES - 1) / LANES * LANES);
+    int64_t partial_spans;
+    const int64_t count = list_items(&batch, num_seqs, long_chunk_tokens, span, NULL, &partial_spans);
+    struct Item *items = malloc(sizeof *items * (count + 1));
+    float *partial = malloc(sizeof(float) * (partial_spans * num_heads * partial_floats(head_dim) + 1));
+    if (!items || !partial) {
+        free(items);
+        free(partial);
+        return -1;
+    }
+    list_items(&batch, num_seqs, long_chunk_tokens, span, items, &partial_spans);
+    const size_t partial_stride = num_heads * partial_floats(head_dim);
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < count; i++) {
+            const struct Item item = items[i];
+            const int tokens = query_start_loc[item.seq + 1] - (int)item.row;
+            if (item.span_of < 0) {
+                attend_item(&batch, item.seq, item.row, tokens < QUERY_TILE ? tokens : QUERY_TILE, item.part, head_dim);
+                continue;
+            }
+            const int end = item.part + span < batch.seq_lens[item.seq] ? item.part + span : batch.seq_lens[item.seq];
+            attend_decode_item(&batch, item.seq, item.row, item.part, end,
+                               item.partial < 0 ? NULL : partial + item.partial * partial_stride, head_dim);
+        }
+        /* A decode row split into spans is joined from its first span's item. */
+#pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < count; i++)
+            if (items[i].partial >= 0 && items[i].part == items[i].span_of)
+                join_spans(&batch, items[i].row, (batch.seq_lens[items[i].seq] - items[i].span_of + span - 1) / span,
+                           partial + items[i].partial * partial_stride, head_dim);
+    }
+    free(items);
+    free(partial);
     return 0;
 }

@@ -54,6 +54,14 @@ def test_sliding_window_matches_reference(batch, sliding_window, dtype):
     assert_close(run_kernel(b, sliding_window), b.reference(sliding_window))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_decode_row_over_a_context_split_into_spans_matches_reference(dtype):
+    """A lone decode row's 2,000 positions go to several items (spans of its context, all KV
+    heads each), whose partial softmaxes are joined: the result is the single pass's."""
+    b = make_batch([1], [2000], 3, 64, 16, dtype)
+    assert_close(run_kernel(b), b.reference())
+
+
 def test_sliding_window_skips_blocks_behind_every_window():
     """Blocks no query's window reaches are never read: filling them with NaN changes nothing."""
     b = make_batch([1, 9], [300, 129], 2, 64, 16, torch.float32)
