@@ -6,15 +6,18 @@
  * by every query row of that head, each query row's 16 dot products are summed by a shuffle tree
  * instead of 16 horizontal reductions, and each value row is converted once and added into
  * every row. Work is split into two kinds of items:
- * - A sequence with one new token (a decode row) walks a span of its context with all its KV
- *   heads at once, so that it reads each block's keys and values whole, front to back: one KV
- *   head's rows alone are a quarter to a half of each position's bytes, and such a strided walk
- *   reads at half the bandwidth of a contiguous one (Xeon-AVX512, 2 threads: 13 against 24-27
- *   GB/s). A long context is split into spans, enough of them to keep every thread busy, whose
- *   partial softmaxes are joined afterwards.
- * - Several new tokens go QUERY_TILE at a time, a KV head per item (their rows share each
- *   read). Where the next tile's block does not follow this one's in memory, its rows are
- *   prefetched meanwhile.
+ * - Where a batch has at least ROWS_PER_THREAD decode rows (sequences with one new token) per
+ *   thread, each decode row walks its context with all its KV heads at once, so that it reads
+ *   each block's keys and values whole, front to back: one KV head's rows alone are a quarter to
+ *   a half of each position's bytes, and such a strided walk reads at half the bandwidth of a
+ *   contiguous one (Xeon-AVX512, 2 threads: 13 against 24-27 GB/s). With fewer decode rows an
+ *   item per KV head keeps the threads busy instead.
+ * - Otherwise new tokens go QUERY_TILE at a time, a KV head per item (several tokens' rows
+ *   share each read). Where the next tile's block does not follow this one's in memory, its
+ *   rows are prefetched meanwhile.
+ * Either way a row's arithmetic is the same, in the same order: a decode row gets the result a
+ * verification of draft tokens computes for the same position (speculative decoding relies on
+ * it), whichever items a batch was split into.
  * With a sliding window the walk starts at the first tile any row of the item sees, so
  * positions (and whole blocks) behind every row's window are never read.
  */
@@ -26,9 +29,7 @@
 #include "vector_math.h"
 
 enum { QUERY_TILE = 8, MAX_GROUP = 16, MAX_CHUNKS = 16 };
-/* A decode row's context is split into spans of at least MIN_SPAN positions, as many as give
- * SPANS_PER_THREAD spans per thread over the whole batch's decode rows. */
-enum { MIN_SPAN = 64, SPANS_PER_THREAD = 4 };
+enum { ROWS_PER_THREAD = 2 };
 
 typedef struct {
     const char *query; /* [tokens, heads, head_dim], last dim contiguous */
@@ -206,14 +207,6 @@ static inline __attribute__((always_inline)) void attend_tile(
         store_head(b, row + x / group, kv_head * group + x % group, chunks, acc[x], denominator[x]);
 }
 
-/* The positions a decode row of `seq` sees, [*first, last), its first tile LANES-aligned. */
-static void decode_range(const Batch *b, int seq, int *first, int *last)
-{
-    *last = b->seq_lens[seq];
-    const int window = b->sliding_window;
-    *first = (window && *last > window ? *last - window : 0) / LANES * LANES;
-}
-
 /* tile[h][p] = KV head h's row at position p of the tile whose rows start at `rows`, for the
  * `len` positions in the context (zero past them), loaded position by position: a position's
  * rows of every KV head lie side by side, so the tile is read front to back. With `ahead` >= 0,
@@ -238,15 +231,10 @@ static inline __attribute__((always_inline)) void load_positions(
     }
 }
 
-/* Floats of a span's partial softmax per head: its largest score, denominator and acc. */
-static size_t partial_floats(int head_dim) { return 2 + (size_t)head_dim; }
-
-/* One decode item: the new token of `seq` (query row `row`) over positions [start, end), all
- * its heads, the tiles' KV heads one after another. With `partial` NULL the span is the whole
- * context and out's rows are written; else each head's partial softmax goes to `partial`
- * (partial_floats per head), for join_spans. */
-static inline __attribute__((always_inline)) void attend_span(
-    const Batch *b, int seq, int64_t row, int start, int end, float *partial, const int chunks)
+/* One decode item: the new token of `seq` (query row `row`) over its whole context, all its
+ * heads, the tiles' KV heads one after another. */
+static inline __attribute__((always_inline)) void attend_decode_row(
+    const Batch *b, int seq, int64_t row, const int chunks)
 {
     const int heads = b->num_heads, group = heads / b->num_kv_heads, last_visible = b->seq_lens[seq];
     const int window = b->sliding_window, first_visible = window && last_visible > window ? last_visible - window : 0;
@@ -267,14 +255,14 @@ static inline __attribute__((always_inline)) void attend_span(
     const size_t cache_item = dtype_size(b->cache_dtype);
     const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
     vfloat tile_rows[kv_heads][LANES][chunks], weights[heads];
-    for (int tile = start; tile < end; tile += LANES) {
+    for (int tile = first_visible / LANES * LANES; tile < last_visible; tile += LANES) {
         const int len = last_visible - tile < LANES ? last_visible - tile : LANES;
         const int64_t offset = tile_offset(b, seq, 0, tile, head_dim) * cache_item;
         /* Where the next tile's block does not follow this one's, its rows are fetched as this
          * tile's keys are loaded. */
         const int next = tile + LANES, next_block = next / b->block_size, this_block = tile / b->block_size;
-        const int64_t ahead = next < end && next_block != this_block && blocks[next_block] != blocks[this_block] + 1
-                                  ? tile_offset(b, seq, 0, next, head_dim) * (int64_t)cache_item : -1;
+        const int jump = next < last_visible && next_block != this_block && blocks[next_block] != blocks[this_block] + 1;
+        const int64_t ahead = jump ? tile_offset(b, seq, 0, next, head_dim) * (int64_t)cache_item : -1;
         load_positions(b, b->keys + offset, len, ahead, chunks, tile_rows);
         for (int kv_head = 0; kv_head < kv_heads; kv_head++) {
             const int h = kv_head * group;
@@ -287,39 +275,7 @@ static inline __attribute__((always_inline)) void attend_span(
             add_values(tile, group, chunks, visible, first, tile_rows[kv_head], weights + h, acc + h);
         }
     }
-    for (int h = 0; h < heads; h++) {
-        if (!partial) {
-            store_head(b, row, h, chunks, acc[h], denominator[h]);
-            continue;
-        }
-        float *entry = partial + h * partial_floats(chunks * LANES);
-        entry[0] = running_max[h];
-        entry[1] = denominator[h];
-        memcpy(entry + 2, acc[h], sizeof acc[h]);
-    }
-}
-
-/* out's rows for the decode row `row`: its `spans` partial softmaxes (from `partial`) joined. */
-static void join_spans(const Batch *b, int64_t row, int spans, const float *partial, int head_dim)
-{
-    const size_t stride = partial_floats(head_dim);
-    for (int h = 0; h < b->num_heads; h++) {
-        float joint = -INFINITY, denominator = 0.f, acc[head_dim];
-        for (int i = 0; i < spans; i++) {
-            const float span_max = partial[(i * b->num_heads + h) * stride];
-            joint = span_max > joint ? span_max : joint;
-        }
-        for (int d = 0; d < head_dim; d++) acc[d] = 0.f;
-        for (int i = 0; i < spans; i++) {
-            const float *entry = partial + (i * b->num_heads + h) * stride;
-            const float weight = exp_lanes((vfloat){0} + (entry[0] - joint))[0];
-            denominator += entry[1] * weight;
-            for (int d = 0; d < head_dim; d++) acc[d] += entry[2 + d] * weight;
-        }
-        for (int d = 0; d < head_dim; d++) acc[d] /= denominator;
-        const int64_t element = (row * b->num_heads + h) * (int64_t)head_dim;
-        store_row(acc, b->query_dtype, b->out + element * dtype_size(b->query_dtype), head_dim);
-    }
+    for (int h = 0; h < heads; h++) store_head(b, row, h, chunks, acc[h], denominator[h]);
 }
 
 static void attend_item(const Batch *b, int seq, int64_t row, int num_tokens, int kv_head, int head_dim)
@@ -331,47 +287,37 @@ static void attend_item(const Batch *b, int seq, int64_t row, int num_tokens, in
     }
 }
 
-static void attend_decode_item(const Batch *b, int seq, int64_t row, int start, int end, float *partial, int head_dim)
+static void attend_decode_item(const Batch *b, int seq, int64_t row, int head_dim)
 {
     switch (head_dim) {
-    case 64: attend_span(b, seq, row, start, end, partial, 4); break;
-    case 128: attend_span(b, seq, row, start, end, partial, 8); break;
-    default: attend_span(b, seq, row, start, end, partial, head_dim / LANES);
+    case 64: attend_decode_row(b, seq, row, 4); break;
+    case 128: attend_decode_row(b, seq, row, 8); break;
+    default: attend_decode_row(b, seq, row, head_dim / LANES);
     }
 }
 
-/* An item of the work list: QUERY_TILE new tokens (fewer at a sequence's end) of `seq` from
- * query row `row` and KV head `part`; or a decode row's span of positions from `part`, whose
- * row's first span starts at `span_of` (-1 for a tile), its partial softmax going to entry
- * `partial` (-1: the span is the whole context, the row is written directly). */
+/* An item of the work list: a decode row of `seq` (row `row`, kv_head -1), or up to QUERY_TILE
+ * new tokens of `seq` from query row `row` (fewer at the sequence's end) with KV head `kv_head`. */
 struct Item {
-    int32_t seq, part, span_of;
-    int64_t row, partial;
+    int32_t seq, kv_head;
+    int64_t row;
 };
 
-/* The batch's items, into `items` (NULL: only counted): the count, and in *partial_spans the
- * spans that need a partial entry. */
-static int64_t list_items(const Batch *b, int num_seqs, int long_chunk_tokens, int span, struct Item *items,
-                          int64_t *partial_spans)
+/* The batch's items, into `items` (NULL: only counted); decode rows whole where `whole_rows`. */
+static int64_t list_items(const Batch *b, int num_seqs, int long_chunk_tokens, int whole_rows, struct Item *items)
 {
     int64_t n = 0;
-    *partial_spans = 0;
     for (int s = 0; s < num_seqs; s++) {
         const int tokens = b->query_start_loc[s + 1] - b->query_start_loc[s];
-        if (tokens == 1) {
-            int first, last;
-            decode_range(b, s, &first, &last);
-            const int spans = (last - first + span - 1) / span;
-            for (int i = 0; i < spans; i++, n++)
-                if (items)
-                    items[n] = (struct Item){s, first + i * span, first, b->query_start_loc[s],
-                                             spans > 1 ? *partial_spans + i : -1};
-            if (spans > 1) *partial_spans += spans;
-        } else if (tokens > 1 && (!long_chunk_tokens || tokens < long_chunk_tokens)) {
-            for (int64_t row = b->query_start_loc[s]; row < b->query_start_loc[s + 1]; row += QUERY_TILE)
-                for (int kv_head = 0; kv_head < b->num_kv_heads; kv_head++, n++)
-                    if (items) items[n] = (struct Item){s, kv_head, -1, row, -1};
+        if (long_chunk_tokens && tokens >= long_chunk_tokens) continue;
+        if (tokens == 1 && whole_rows) {
+            if (items) items[n] = (struct Item){s, -1, b->query_start_loc[s]};
+            n++;
+            continue;
         }
+        for (int64_t row = b->query_start_loc[s]; row < b->query_start_loc[s + 1]; row += QUERY_TILE)
+            for (int kv_head = 0; kv_head < b->num_kv_heads; kv_head++, n++)
+                if (items) items[n] = (struct Item){s, kv_head, row};
     }
     return n;
 }
@@ -406,49 +352,23 @@ int paged_attention(
         .query_start_loc = query_start_loc, .seq_lens = seq_lens, .sliding_window = sliding_window,
         .scale = scale, .out = out,
     };
-    /* The span length: the decode rows' positions over SPANS_PER_THREAD spans per thread. */
-    int64_t decode_positions = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        if (query_start_loc[s + 1] - query_start_loc[s] != 1) continue;
-        int first, last;
-        decode_range(&batch, s, &first, &last);
-        decode_positions += last - first;
-    }
-    const int64_t per_span = decode_positions / ((int64_t)SPANS_PER_THREAD * num_threads) + 1;
-    const int span = per_span < MIN_SPAN ? MIN_SPAN : (int)((per_span + LANES - 1) / LANES * LANES);
-    int64_t partial_spans;
-    const int64_t count = list_items(&batch, num_seqs, long_chunk_tokens, span, NULL, &partial_spans);
+    int decode_rows = 0;
+    for (int s = 0; s < num_seqs; s++) decode_rows += query_start_loc[s + 1] - query_start_loc[s] == 1;
+    const int whole_rows = decode_rows >= ROWS_PER_THREAD * num_threads;
+    const int64_t count = list_items(&batch, num_seqs, long_chunk_tokens, whole_rows, NULL);
     struct Item *items = malloc(sizeof *items * (count + 1));
-    float *partial = malloc(sizeof(float) * (partial_spans * num_heads * partial_floats(head_dim) + 1));
-    if (!items || !partial) {
-        free(items);
-        free(partial);
-        return -1;
-    }
-    list_items(&batch, num_seqs, long_chunk_tokens, span, items, &partial_spans);
-    const size_t partial_stride = num_heads * partial_floats(head_dim);
-#pragma omp parallel num_threads(num_threads)
-    {
-#pragma omp for schedule(dynamic)
-        for (int64_t i = 0; i < count; i++) {
-            const struct Item item = items[i];
-            const int tokens = query_start_loc[item.seq + 1] - (int)item.row;
-            if (item.span_of < 0) {
-                attend_item(&batch, item.seq, item.row, tokens < QUERY_TILE ? tokens : QUERY_TILE, item.part, head_dim);
-                continue;
-            }
-            const int end = item.part + span < batch.seq_lens[item.seq] ? item.part + span : batch.seq_lens[item.seq];
-            attend_decode_item(&batch, item.seq, item.row, item.part, end,
-                               item.partial < 0 ? NULL : partial + item.partial * partial_stride, head_dim);
+    if (!items) return -1;
+    list_items(&batch, num_seqs, long_chunk_tokens, whole_rows, items);
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+    for (int64_t i = 0; i < count; i++) {
+        const struct Item item = items[i];
+        if (item.kv_head < 0) {
+            attend_decode_item(&batch, item.seq, item.row, head_dim);
+            continue;
         }
-        /* A decode row split into spans is joined from its first span's item. */
-#pragma omp for schedule(dynamic)
-        for (int64_t i = 0; i < count; i++)
-            if (items[i].partial >= 0 && items[i].part == items[i].span_of)
-                join_spans(&batch, items[i].row, (batch.seq_lens[items[i].seq] - items[i].span_of + span - 1) / span,
-                           partial + items[i].partial * partial_stride, head_dim);
+        const int rest = query_start_loc[item.seq + 1] - (int)item.row;
+        attend_item(&batch, item.seq, item.row, rest < QUERY_TILE ? rest : QUERY_TILE, item.kv_head, head_dim);
     }
     free(items);
-    free(partial);
     return 0;
 }

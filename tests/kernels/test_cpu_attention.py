@@ -54,12 +54,22 @@ def test_sliding_window_matches_reference(batch, sliding_window, dtype):
     assert_close(run_kernel(b, sliding_window), b.reference(sliding_window))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_decode_row_over_a_context_split_into_spans_matches_reference(dtype):
-    """A lone decode row's 2,000 positions go to several items (spans of its context, all KV
-    heads each), whose partial softmaxes are joined: the result is the single pass's."""
-    b = make_batch([1], [2000], 3, 64, 16, dtype)
-    assert_close(run_kernel(b), b.reference())
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_decode_rows_walked_whole_equal_them_walked_a_kv_head_at_a_time(sliding_window):
+    """Eight decode rows are enough for 2 threads to walk each row's blocks whole, all KV heads
+    at once, and too few for 8 threads, which take an item per KV head: the results match the
+    reference and each other bit for bit (a verification of draft tokens relies on it)."""
+    b = make_batch([1] * 8, [300, 17, 129, 64, 1, 40, 250, 33], 3, 64, 16, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        whole = run_kernel(b, sliding_window)
+        torch.set_num_threads(8)
+        per_kv_head = run_kernel(b, sliding_window)
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(whole, b.reference(sliding_window=sliding_window))
+    assert torch.equal(whole, per_kv_head)
 
 
 def test_sliding_window_skips_blocks_behind_every_window():
