@@ -20,7 +20,7 @@
 #include "kernels.h"
 #include "vector_math.h"
 
-enum { TILE = 64, SUBTILES = TILE / LANES, MAX_ROWS = 4, MAX_DIM = 256, GROUPS = 8 };
+enum { TILE = 64, SUBTILES = TILE / LANES, MAX_ROWS = 4, MAX_DIM = 256, GROUPS = 16 };
 
 typedef struct {
     const char *query;
@@ -99,7 +99,7 @@ static inline __attribute__((always_inline)) void attend_tile(Query *query, cons
             continue;
         }
         const float new_max = tile_max > v->running_max ? tile_max : v->running_max;
-        const float correction = v->running_max == -INFINITY ? 0.f : exp_lanes((vfloat){0} + (v->running_max - new_max))[0];
+        const float correction = softmax_rescale(v->running_max, new_max);
         vfloat sum = {0};
         for (int s = 0; s < SUBTILES; s++) {
             const vfloat p = exp_lanes(scores[r][s] - new_max);

@@ -125,7 +125,7 @@ static inline __attribute__((always_inline)) void attend_item(const Chunk *c, in
                 continue;
             }
             const float new_max = tile_max > running_max[r] ? tile_max : running_max[r];
-            const float correction = running_max[r] == -INFINITY ? 0.f : exp_lanes((vfloat){0} + (running_max[r] - new_max))[0];
+            const float correction = softmax_rescale(running_max[r], new_max);
             float sum = 0.f;
             for (int s = 0; s < TILE / SUB; s++) {
                 const vfloat p = exp_lanes(tile_scores[s] - new_max);

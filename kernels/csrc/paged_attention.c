@@ -110,7 +110,7 @@ static inline __attribute__((always_inline)) void score_tile(
         const vfloat scores = select_lanes(in_view, sum_each(partial), (vfloat){0} - INFINITY);
         const float tile_max = max_of_lanes(scores);
         const float new_max = tile_max > running_max[x] ? tile_max : running_max[x];
-        const float correction = exp_lanes((vfloat){0} + (running_max[x] - new_max))[0];
+        const float correction = softmax_rescale(running_max[x], new_max);
         weights[x] = exp_lanes(scores - new_max);
         denominator[x] = denominator[x] * correction + sum_of_lanes(weights[x]);
         running_max[x] = new_max;

@@ -2,6 +2,9 @@
  * pairs of AVX2 registers or scalar code elsewhere) and the lane-wise math the kernels share. */
 #pragma once
 #include <math.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <string.h>
 
@@ -48,15 +51,9 @@ static inline vfloat select_lanes(vint mask, vfloat a, vfloat b)
     return result;
 }
 
-/* e^x lane by lane to about 2 ulp, 0 below the float range (-inf included); libm's expf
- * would not vectorise without -ffast-math. */
-static inline vfloat exp_lanes(vfloat x)
+/* e^r for |r| <= ln(2) / 2, its Taylor series to r^7. */
+static inline vfloat exp_near_zero(vfloat r)
 {
-    const vfloat low = (vfloat){0} - 87.f, high = (vfloat){0} + 88.f, round = (vfloat){0} + 12582912.f;
-    const vint underflow = x < low;
-    vfloat clamped = select_lanes(underflow, low, select_lanes(x > high, high, x));
-    vfloat n = (clamped * 1.44269504088896341f + round) - round; /* round to nearest: 1.5 * 2^23 trick */
-    vfloat r = clamped - n * 0.693145751953125f - n * 1.428606765330187e-06f;
     vfloat poly = (vfloat){0} + 1.f / 5040.f;
     poly = poly * r + 1.f / 720.f;
     poly = poly * r + 1.f / 120.f;
@@ -64,11 +61,42 @@ static inline vfloat exp_lanes(vfloat x)
     poly = poly * r + 1.f / 6.f;
     poly = poly * r + 0.5f;
     poly = poly * r + 1.f;
-    poly = poly * r + 1.f;
-    vint scale_bits = (__builtin_convertvector(n, vint) + 127) << 23;
+    return poly * r + 1.f;
+}
+
+/* e^x lane by lane to about 2 ulp, 0 below the float range (-inf included): e^x = 2^n e^r with n
+ * the nearest integer to x / ln(2). libm's expf would not vectorise without -ffast-math. */
+static inline vfloat exp_lanes(vfloat x)
+{
+#if defined(__AVX512F__)
+    /* One instruction each to round (vrndscaleps), to scale by 2^n (vscalefps) and, through its
+     * zeroing mask, to clear the lanes below the range: a third fewer operations, the same accuracy. */
+    const __mmask16 in_range = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+    const vfloat clamped = (vfloat)_mm512_min_ps((__m512)x, _mm512_set1_ps(88.f));
+    const vfloat n = (vfloat)_mm512_roundscale_ps((__m512)(clamped * 1.44269504088896341f), _MM_FROUND_TO_NEAREST_INT);
+    const vfloat r = clamped - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    return (vfloat)_mm512_maskz_scalef_ps(in_range, (__m512)exp_near_zero(r), (__m512)n);
+#else
+    const vfloat low = (vfloat){0} - 87.f, high = (vfloat){0} + 88.f, round = (vfloat){0} + 12582912.f;
+    const vint underflow = x < low;
+    const vfloat clamped = select_lanes(underflow, low, select_lanes(x > high, high, x));
+    const vfloat n = (clamped * 1.44269504088896341f + round) - round; /* round to nearest: 1.5 * 2^23 trick */
+    const vfloat r = clamped - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    const vint scale_bits = (__builtin_convertvector(n, vint) + 127) << 23;
     vfloat scale;
     memcpy(&scale, &scale_bits, sizeof scale);
-    return select_lanes(underflow, (vfloat){0}, poly * scale);
+    return select_lanes(underflow, (vfloat){0}, exp_near_zero(r) * scale);
+#endif
+}
+
+/* e^(old_max - new_max), the factor an online softmax's sums shrink by when its running maximum
+ * rises from old_max to new_max: 0 where nothing was seen yet (old_max -inf), and 1 without
+ * computing it where the maximum stayed, as it does on most tiles of a long context. */
+static inline float softmax_rescale(float old_max, float new_max)
+{
+    if (old_max == -INFINITY) return 0.f;
+    if (old_max == new_max) return 1.f;
+    return exp_lanes((vfloat){0} + (old_max - new_max))[0];
 }
 
 static inline vfloat swap_halves(vfloat v, int width)
