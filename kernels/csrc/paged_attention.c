@@ -5,19 +5,23 @@
  * A tile of 16 positions at a time: the 16 key rows of a KV head are converted once and shared
  * by every query row of that head, each query row's 16 dot products are summed by a shuffle tree
  * instead of 16 horizontal reductions, and each value row is converted once and added into
- * every row. Work is split into two kinds of items:
+ * every row. Work is split into three kinds of items:
  * - Where a batch has at least ROWS_PER_THREAD decode rows (sequences with one new token) per
  *   thread, each decode row walks its context with all its KV heads at once, so that it reads
  *   each block's keys and values whole, front to back: one KV head's rows alone are a quarter to
  *   a half of each position's bytes, and such a strided walk reads at half the bandwidth of a
- *   contiguous one (Xeon-AVX512, 2 threads: 13 against 24-27 GB/s). With fewer decode rows an
- *   item per KV head keeps the threads busy instead.
- * - Otherwise new tokens go QUERY_TILE at a time, a KV head per item (several tokens' rows
- *   share each read). Where the next tile's block does not follow this one's in memory, its
- *   rows are prefetched meanwhile.
- * Either way a row's arithmetic is the same, in the same order: a decode row gets the result a
- * verification of draft tokens computes for the same position (speculative decoding relies on
- * it), whichever items a batch was split into.
+ *   contiguous one (Xeon-AVX512, 2 threads: 13 against 24-27 GB/s).
+ * - With fewer decode rows, each one is split into an item per SEGMENT positions of its context,
+ *   walked the same way, whose partial softmaxes are joined in order once all are done: a single
+ *   sequence then keeps every thread busy reading whole blocks (an item per KV head, the strided
+ *   walk, left one of two threads idle a third of the time with three KV heads).
+ * - Rows of several new tokens go QUERY_TILE tokens at a time, a KV head per item (several
+ *   tokens' rows share each read). Where the next tile's block does not follow this one's in
+ *   memory, its rows are prefetched meanwhile.
+ * Every walk restarts its online softmax at each multiple of SEGMENT positions and joins the
+ * segments in order, so a row's arithmetic is the same, in the same order, whichever item
+ * computed it: a decode row gets the result a verification of draft tokens computes for the
+ * same position (speculative decoding relies on it), whichever items a batch was split into.
  * With a sliding window the walk starts at the first tile any row of the item sees, so
  * positions (and whole blocks) behind every row's window are never read.
  */
@@ -29,7 +33,7 @@
 #include "vector_math.h"
 
 enum { QUERY_TILE = 8, MAX_GROUP = 16, MAX_CHUNKS = 16 };
-enum { ROWS_PER_THREAD = 2 };
+enum { ROWS_PER_THREAD = 2, SEGMENT = 64 };
 
 typedef struct {
     const char *query; /* [tokens, heads, head_dim], last dim contiguous */
@@ -134,6 +138,43 @@ static inline __attribute__((always_inline)) void add_values(
     }
 }
 
+/* A softmax over some positions, (max, denominator, acc) as score_tile keeps them, takes in a
+ * segment's: both rescaled to the larger maximum. An empty side (maximum -inf) adds nothing and
+ * takes nothing away, exactly, so a segment joined to an empty softmax is that segment. Never
+ * inlined: every walk joins with the very same instructions. */
+static __attribute__((noinline)) void join_segment(
+    int chunks, float *max, float *denominator, vfloat acc[chunks], float segment_max, float segment_denominator,
+    const vfloat segment_acc[chunks])
+{
+    const float joined = segment_max > *max ? segment_max : *max;
+    const float keep = softmax_rescale(*max, joined), take = softmax_rescale(segment_max, joined);
+    *denominator = *denominator * keep + segment_denominator * take;
+    for (int c = 0; c < chunks; c++) acc[c] = acc[c] * keep + segment_acc[c] * take;
+    *max = joined;
+}
+
+/* Rows x < rows: a softmax over no positions yet. */
+static inline __attribute__((always_inline)) void empty_softmax(
+    const int rows, const int chunks, float max[rows], float denominator[rows], vfloat acc[rows][chunks])
+{
+    for (int x = 0; x < rows; x++) {
+        max[x] = -INFINITY;
+        denominator[x] = 0.f;
+        for (int c = 0; c < chunks; c++) acc[x][c] = (vfloat){0};
+    }
+}
+
+/* Rows x < rows join the segment just walked (running_max, denominator, acc) into their totals
+ * (total_max, total_denominator, total_acc), and start the next one empty. */
+static inline __attribute__((always_inline)) void close_segment(
+    const int rows, const int chunks, float running_max[rows], float denominator[rows], vfloat acc[rows][chunks],
+    float total_max[rows], float total_denominator[rows], vfloat total_acc[rows][chunks])
+{
+    for (int x = 0; x < rows; x++)
+        join_segment(chunks, &total_max[x], &total_denominator[x], total_acc[x], running_max[x], denominator[x], acc[x]);
+    empty_softmax(rows, chunks, running_max, denominator, acc);
+}
+
 /* q[c] = the 16 values of `head`'s query for `token` from c * 16, scaled. */
 static inline __attribute__((always_inline)) void load_query(
     const Batch *b, int64_t token, int head, const int chunks, vfloat q[chunks])
@@ -167,23 +208,25 @@ static inline __attribute__((always_inline)) void attend_tile(
      * sliding window of w positions ends at the token's own). */
     const int last_visible = b->seq_lens[seq] - (b->query_start_loc[seq + 1] - (int)(row + num_tokens));
     const int window = b->sliding_window;
-    vfloat q[rows][chunks], acc[rows][chunks];
-    float running_max[rows], denominator[rows];
+    vfloat q[rows][chunks], acc[rows][chunks], total_acc[rows][chunks];
+    float running_max[rows], denominator[rows], total_max[rows], total_denominator[rows];
     int visible[rows], first[rows];
     for (int x = 0; x < rows; x++) {
         load_query(b, row + x / group, kv_head * group + x % group, chunks, q[x]);
-        for (int c = 0; c < chunks; c++) acc[x][c] = (vfloat){0};
-        running_max[x] = -INFINITY;
-        denominator[x] = 0.f;
         visible[x] = last_visible - (num_tokens - 1 - x / group);
         first[x] = window && visible[x] > window ? visible[x] - window : 0;
     }
+    empty_softmax(rows, chunks, running_max, denominator, acc);
+    empty_softmax(rows, chunks, total_max, total_denominator, total_acc);
     const int head_dim = chunks * LANES;
     const int64_t position_bytes = (int64_t)b->num_kv_heads * head_dim * dtype_size(b->cache_dtype);
     const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
     vfloat keys[LANES][chunks], values[LANES][chunks], weights[rows];
     /* Row 0 (the item's first token) has the earliest window; tiles stay LANES-aligned. */
-    for (int start = first[0] / LANES * LANES; start < last_visible; start += LANES) {
+    const int walk_start = first[0] / LANES * LANES;
+    for (int start = walk_start; start < last_visible; start += LANES) {
+        if (start % SEGMENT == 0 && start != walk_start)
+            close_segment(rows, chunks, running_max, denominator, acc, total_max, total_denominator, total_acc);
         const int len = last_visible - start < LANES ? last_visible - start : LANES;
         const int64_t offset = tile_offset(b, seq, kv_head, start, head_dim) * dtype_size(b->cache_dtype);
         /* Where the next tile's block does not follow this one's in memory, its rows are fetched
@@ -203,8 +246,9 @@ static inline __attribute__((always_inline)) void attend_tile(
         load_tile(b->values + offset, position_bytes, len, b->cache_dtype, chunks, values);
         add_values(start, rows, chunks, visible, first, values, weights, acc);
     }
+    close_segment(rows, chunks, running_max, denominator, acc, total_max, total_denominator, total_acc);
     for (int x = 0; x < rows; x++)
-        store_head(b, row + x / group, kv_head * group + x % group, chunks, acc[x], denominator[x]);
+        store_head(b, row + x / group, kv_head * group + x % group, chunks, total_acc[x], total_denominator[x]);
 }
 
 /* tile[h][p] = KV head h's row at position p of the tile whose rows start at `rows`, for the
@@ -231,37 +275,42 @@ static inline __attribute__((always_inline)) void load_positions(
     }
 }
 
-/* One decode item: the new token of `seq` (query row `row`) over its whole context, all its
- * heads, the tiles' KV heads one after another. */
+/* Floats of a decode item's partial softmax: every head's maximum, then every head's
+ * denominator, then every head's undivided acc (head_dim floats each). */
+static int64_t partial_floats(int heads, int head_dim) { return (int64_t)heads * (head_dim + 2); }
+
+/* A decode item: the new token of `seq` (query row `row`) over its context's tiles from `from`
+ * (LANES-aligned) up to position `to`, all its heads, the tiles' KV heads one after another,
+ * joining segments as it goes. The result goes to the output; or, for an item of one segment
+ * of a split row, undivided into `partial` (partial_floats of them). */
 static inline __attribute__((always_inline)) void attend_decode_row(
-    const Batch *b, int seq, int64_t row, const int chunks)
+    const Batch *b, int seq, int64_t row, int from, int to, float *partial, const int chunks)
 {
     const int heads = b->num_heads, group = heads / b->num_kv_heads, last_visible = b->seq_lens[seq];
     const int window = b->sliding_window, first_visible = window && last_visible > window ? last_visible - window : 0;
-    vfloat q[heads][chunks], acc[heads][chunks];
-    float running_max[heads], denominator[heads];
+    vfloat q[heads][chunks], acc[heads][chunks], total_acc[heads][chunks];
+    float running_max[heads], denominator[heads], total_max[heads], total_denominator[heads];
     int visible[MAX_GROUP], first[MAX_GROUP];
     for (int x = 0; x < group; x++) {
         visible[x] = last_visible;
         first[x] = first_visible;
     }
-    for (int h = 0; h < heads; h++) {
-        load_query(b, row, h, chunks, q[h]);
-        for (int c = 0; c < chunks; c++) acc[h][c] = (vfloat){0};
-        running_max[h] = -INFINITY;
-        denominator[h] = 0.f;
-    }
+    for (int h = 0; h < heads; h++) load_query(b, row, h, chunks, q[h]);
+    empty_softmax(heads, chunks, running_max, denominator, acc);
+    empty_softmax(heads, chunks, total_max, total_denominator, total_acc);
     const int kv_heads = b->num_kv_heads, head_dim = chunks * LANES;
     const size_t cache_item = dtype_size(b->cache_dtype);
     const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
     vfloat tile_rows[kv_heads][LANES][chunks], weights[heads];
-    for (int tile = first_visible / LANES * LANES; tile < last_visible; tile += LANES) {
-        const int len = last_visible - tile < LANES ? last_visible - tile : LANES;
+    for (int tile = from; tile < to; tile += LANES) {
+        if (tile % SEGMENT == 0 && tile != from)
+            close_segment(heads, chunks, running_max, denominator, acc, total_max, total_denominator, total_acc);
+        const int len = to - tile < LANES ? to - tile : LANES;
         const int64_t offset = tile_offset(b, seq, 0, tile, head_dim) * cache_item;
         /* Where the next tile's block does not follow this one's, its rows are fetched as this
          * tile's keys are loaded. */
         const int next = tile + LANES, next_block = next / b->block_size, this_block = tile / b->block_size;
-        const int jump = next < last_visible && next_block != this_block && blocks[next_block] != blocks[this_block] + 1;
+        const int jump = next < to && next_block != this_block && blocks[next_block] != blocks[this_block] + 1;
         const int64_t ahead = jump ? tile_offset(b, seq, 0, next, head_dim) * (int64_t)cache_item : -1;
         load_positions(b, b->keys + offset, len, ahead, chunks, tile_rows);
         for (int kv_head = 0; kv_head < kv_heads; kv_head++) {
@@ -275,6 +324,30 @@ static inline __attribute__((always_inline)) void attend_decode_row(
             add_values(tile, group, chunks, visible, first, tile_rows[kv_head], weights + h, acc + h);
         }
     }
+    close_segment(heads, chunks, running_max, denominator, acc, total_max, total_denominator, total_acc);
+    if (!partial) {
+        for (int h = 0; h < heads; h++) store_head(b, row, h, chunks, total_acc[h], total_denominator[h]);
+        return;
+    }
+    memcpy(partial, total_max, sizeof total_max);
+    memcpy(partial + heads, total_denominator, sizeof total_denominator);
+    memcpy(partial + 2 * heads, total_acc, sizeof total_acc);
+}
+
+/* A split decode row's output (query row `row`): its `segments` partials from `partials` on,
+ * joined in order. */
+static void join_partials(const Batch *b, int64_t row, const float *partials, int segments, int head_dim)
+{
+    const int heads = b->num_heads, chunks = head_dim / LANES;
+    vfloat acc[heads][chunks], segment_acc[heads][chunks];
+    float max[heads], denominator[heads];
+    empty_softmax(heads, chunks, max, denominator, acc);
+    for (int k = 0; k < segments; k++) {
+        const float *partial = partials + k * partial_floats(heads, head_dim);
+        memcpy(segment_acc, partial + 2 * heads, sizeof segment_acc);
+        for (int h = 0; h < heads; h++)
+            join_segment(chunks, &max[h], &denominator[h], acc[h], partial[h], partial[heads + h], segment_acc[h]);
+    }
     for (int h = 0; h < heads; h++) store_head(b, row, h, chunks, acc[h], denominator[h]);
 }
 
@@ -287,39 +360,68 @@ static void attend_item(const Batch *b, int seq, int64_t row, int num_tokens, in
     }
 }
 
-static void attend_decode_item(const Batch *b, int seq, int64_t row, int head_dim)
+static void attend_decode_item(const Batch *b, int seq, int64_t row, int from, int to, float *partial, int head_dim)
 {
     switch (head_dim) {
-    case 64: attend_decode_row(b, seq, row, 4); break;
-    case 128: attend_decode_row(b, seq, row, 8); break;
-    default: attend_decode_row(b, seq, row, head_dim / LANES);
+    case 64: attend_decode_row(b, seq, row, from, to, partial, 4); break;
+    case 128: attend_decode_row(b, seq, row, from, to, partial, 8); break;
+    default: attend_decode_row(b, seq, row, from, to, partial, head_dim / LANES);
     }
 }
 
-/* An item of the work list: a decode row of `seq` (row `row`, kv_head -1), or up to QUERY_TILE
- * new tokens of `seq` from query row `row` (fewer at the sequence's end) with KV head `kv_head`. */
+/* An item of the work list: up to QUERY_TILE new tokens of `seq` from query row `row` (fewer at
+ * the sequence's end) with KV head `kv_head`; or (kv_head -1) the decode row `row` of `seq` over
+ * positions [from, to), leaving partial softmax number `partial` (-1: the output itself). */
 struct Item {
-    int32_t seq, kv_head;
-    int64_t row;
+    int32_t seq, kv_head, from, to;
+    int64_t row, partial;
 };
 
-/* The batch's items, into `items` (NULL: only counted); decode rows whole where `whole_rows`. */
-static int64_t list_items(const Batch *b, int num_seqs, int long_chunk_tokens, int whole_rows, struct Item *items)
+/* A decode row split into `segments` items, whose partials start at number `first_partial`. */
+struct SplitRow {
+    int64_t row, first_partial;
+    int32_t segments;
+};
+
+/* The batch's items and split decode rows, and how many partials those leave. */
+struct WorkList {
+    struct Item *items;
+    struct SplitRow *split_rows;
+    int64_t num_items, num_split_rows, num_partials;
+};
+
+/* Fills `work`'s arrays, or with them NULL only counts; decode rows whole where `whole_rows`,
+ * else split by segment. */
+static void list_work(const Batch *b, int num_seqs, int long_chunk_tokens, int whole_rows, struct WorkList *work)
 {
-    int64_t n = 0;
+    work->num_items = work->num_split_rows = work->num_partials = 0;
     for (int s = 0; s < num_seqs; s++) {
         const int tokens = b->query_start_loc[s + 1] - b->query_start_loc[s];
+        const int64_t start_row = b->query_start_loc[s];
         if (long_chunk_tokens && tokens >= long_chunk_tokens) continue;
-        if (tokens == 1 && whole_rows) {
-            if (items) items[n] = (struct Item){s, -1, b->query_start_loc[s]};
-            n++;
+        if (tokens > 1) {
+            for (int64_t row = start_row; row < b->query_start_loc[s + 1]; row += QUERY_TILE)
+                for (int kv_head = 0; kv_head < b->num_kv_heads; kv_head++, work->num_items++)
+                    if (work->items) work->items[work->num_items] = (struct Item){s, kv_head, 0, 0, row, -1};
             continue;
         }
-        for (int64_t row = b->query_start_loc[s]; row < b->query_start_loc[s + 1]; row += QUERY_TILE)
-            for (int kv_head = 0; kv_head < b->num_kv_heads; kv_head++, n++)
-                if (items) items[n] = (struct Item){s, kv_head, row};
+        const int last = b->seq_lens[s], window = b->sliding_window;
+        const int first = (window && last > window ? last - window : 0) / LANES * LANES;
+        if (whole_rows) {
+            if (work->items) work->items[work->num_items] = (struct Item){s, -1, first, last, start_row, -1};
+            work->num_items++;
+            continue;
+        }
+        const int64_t first_partial = work->num_partials;
+        for (int from = first, to; from < last; from = to, work->num_items++, work->num_partials++) {
+            to = (from / SEGMENT + 1) * SEGMENT < last ? (from / SEGMENT + 1) * SEGMENT : last;
+            if (work->items) work->items[work->num_items] = (struct Item){s, -1, from, to, start_row, work->num_partials};
+        }
+        if (work->split_rows)
+            work->split_rows[work->num_split_rows] =
+                (struct SplitRow){start_row, first_partial, (int32_t)(work->num_partials - first_partial)};
+        work->num_split_rows++;
     }
-    return n;
 }
 
 /* Whether paged_attention handles these shapes (kernels/cpu_attention.py's `supports`). */
@@ -355,20 +457,41 @@ int paged_attention(
     int decode_rows = 0;
     for (int s = 0; s < num_seqs; s++) decode_rows += query_start_loc[s + 1] - query_start_loc[s] == 1;
     const int whole_rows = decode_rows >= ROWS_PER_THREAD * num_threads;
-    const int64_t count = list_items(&batch, num_seqs, long_chunk_tokens, whole_rows, NULL);
-    struct Item *items = malloc(sizeof *items * (count + 1));
-    if (!items) return -1;
-    list_items(&batch, num_seqs, long_chunk_tokens, whole_rows, items);
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
-    for (int64_t i = 0; i < count; i++) {
-        const struct Item item = items[i];
-        if (item.kv_head < 0) {
-            attend_decode_item(&batch, item.seq, item.row, head_dim);
-            continue;
-        }
-        const int rest = query_start_loc[item.seq + 1] - (int)item.row;
-        attend_item(&batch, item.seq, item.row, rest < QUERY_TILE ? rest : QUERY_TILE, item.kv_head, head_dim);
+    struct WorkList work = {0};
+    list_work(&batch, num_seqs, long_chunk_tokens, whole_rows, &work);
+    work.items = malloc(sizeof *work.items * (work.num_items + 1));
+    work.split_rows = malloc(sizeof *work.split_rows * (work.num_split_rows + 1));
+    float *partials = malloc(sizeof *partials * (work.num_partials * partial_floats(num_heads, head_dim) + 1));
+    if (!work.items || !work.split_rows || !partials) {
+        free(work.items);
+        free(work.split_rows);
+        free(partials);
+        return -1;
     }
-    free(items);
+    list_work(&batch, num_seqs, long_chunk_tokens, whole_rows, &work);
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < work.num_items; i++) {
+            const struct Item item = work.items[i];
+            if (item.kv_head >= 0) {
+                const int rest = query_start_loc[item.seq + 1] - (int)item.row;
+                attend_item(&batch, item.seq, item.row, rest < QUERY_TILE ? rest : QUERY_TILE, item.kv_head, head_dim);
+                continue;
+            }
+            float *partial = item.partial < 0 ? NULL : partials + item.partial * partial_floats(num_heads, head_dim);
+            attend_decode_item(&batch, item.seq, item.row, item.from, item.to, partial, head_dim);
+        }
+        /* The for's barrier: every partial is written before any row joins its own. */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < work.num_split_rows; r++) {
+            const struct SplitRow split = work.split_rows[r];
+            join_partials(&batch, split.row, partials + split.first_partial * partial_floats(num_heads, head_dim),
+                          split.segments, head_dim);
+        }
+    }
+    free(work.items);
+    free(work.split_rows);
+    free(partials);
     return 0;
 }

@@ -55,21 +55,38 @@ def test_sliding_window_matches_reference(batch, sliding_window, dtype):
 
 
 @pytest.mark.parametrize("sliding_window", [None, 20])
-def test_decode_rows_walked_whole_equal_them_walked_a_kv_head_at_a_time(sliding_window):
-    """Eight decode rows are enough for 2 threads to walk each row's blocks whole, all KV heads
-    at once, and too few for 8 threads, which take an item per KV head: the results match the
-    reference and each other bit for bit (a verification of draft tokens relies on it)."""
+def test_decode_rows_walked_whole_equal_them_split_by_segment(sliding_window):
+    """Eight decode rows are enough for 2 threads to walk each row's context whole, and too few
+    for 8 threads, which split each row into an item per 64 positions and join their softmaxes
+    after: the results match the reference and each other bit for bit (a verification of draft
+    tokens relies on it)."""
     b = make_batch([1] * 8, [300, 17, 129, 64, 1, 40, 250, 33], 3, 64, 16, torch.float32)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         whole = run_kernel(b, sliding_window)
         torch.set_num_threads(8)
-        per_kv_head = run_kernel(b, sliding_window)
+        split = run_kernel(b, sliding_window)
     finally:
         torch.set_num_threads(threads)
     assert_close(whole, b.reference(sliding_window=sliding_window))
-    assert torch.equal(whole, per_kv_head)
+    assert torch.equal(whole, split)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 100])
+def test_a_decode_row_equals_its_position_among_several_new_tokens(sliding_window):
+    """Four new tokens over 300 positions (a verification of three draft tokens) attend as one
+    item per KV head; each token alone as a decode row at its position, split by segment, gets
+    the same result bit for bit: every walk joins the same segments in the same order."""
+    b = make_batch([4], [300], 3, 64, 16, torch.float32)
+    together = run_kernel(b, sliding_window)
+    one_row = torch.tensor([0, 1], dtype=torch.int32)
+    for token in range(4):
+        alone = cpu_attention.paged_attention(
+            b.query[token : token + 1], b.kv_cache, b.meta.block_tables, one_row,
+            torch.tensor([297 + token], dtype=torch.int32), b.scale, sliding_window=sliding_window,
+        )
+        assert torch.equal(alone[0], together[token])
 
 
 def test_sliding_window_skips_blocks_behind_every_window():
