@@ -88,6 +88,17 @@ def convert(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.max(dim=-1).indices`` of a float32 ``[rows, cols]`` ``x``: each row's first largest
+    value's index (a NaN's, the first, where the row has one), as int64."""
+    _require_contiguous(x)
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"argmax needs float32 [rows, cols], got {list(x.shape)} of {x.dtype}")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    native.load_library().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def _require_contiguous(*tensors: torch.Tensor) -> None:
     for tensor in tensors:
         if not tensor.is_contiguous():

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.engine_core.protocol import TokenLogprobs
+from strata.kernels import cpu_layers
 
 _MASK_53 = (1 << 53) - 1
 
@@ -62,7 +63,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, 
     if meta.grammar_rows is not None:
         assert meta.grammar_bitmask is not None
         apply_token_bitmask(logits, meta.grammar_rows, meta.grammar_bitmask)
-    greedy = logits.max(dim=-1).indices  # argmax's first-maximum answer, about 3x faster on CPU
+    greedy = cpu_layers.argmax(logits.contiguous()) if cpu_layers.handles(logits) else logits.max(dim=-1).indices
     if meta.all_greedy:
         tokens = greedy
     else:

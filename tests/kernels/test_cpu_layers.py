@@ -105,3 +105,28 @@ def test_convert_keeps_infinities_and_nans():
     torch.testing.assert_close(converted, x.to(torch.bfloat16), equal_nan=True, atol=0, rtol=0)
     numbers = ~x.isnan()  # a NaN's sign bit means nothing
     assert torch.equal(converted[numbers].float().signbit(), x[numbers].to(torch.bfloat16).float().signbit())
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (64, 1000), (3, 7), (2, 16)], ids=["vocabulary", "threaded", "short", "one_vector"])
+def test_argmax_picks_what_torch_max_picks(shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    x[0, -1] = x[0].max() + 1  # the largest in the tail past the last whole vector
+    assert torch.equal(cpu_layers.argmax(x), x.max(dim=-1).indices)
+
+
+def test_argmax_takes_the_first_of_equal_largest_values():
+    x = torch.zeros(4, 40)
+    x[0, [3, 19, 35]] = 5.0  # in different lanes
+    x[1, [20, 36]] = 5.0  # in the same lane of different vectors
+    x[2, [21, 22]] = 5.0
+    x[3] = -float("inf")  # nothing but -inf: the first
+    assert cpu_layers.argmax(x).tolist() == [3, 20, 21, 0]
+
+
+def test_argmax_picks_the_first_nan_as_torch_max_does():
+    x = torch.randn(2, 40)
+    x[0, [30, 5]] = float("nan")
+    x[1, 38] = float("nan")
+    assert torch.equal(cpu_layers.argmax(x), x.max(dim=-1).indices)
+    assert cpu_layers.argmax(x).tolist() == [5, 38]
