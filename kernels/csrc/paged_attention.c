@@ -50,6 +50,13 @@ typedef struct {
     char *out; /* [tokens, heads, head_dim], contiguous */
 } Batch;
 
+/* The first position a query that sees positions [0, visible) attends: its sliding window's
+ * start, or 0 with full attention. */
+static inline int window_start(const Batch *b, int visible)
+{
+    return b->sliding_window && visible > b->sliding_window ? visible - b->sliding_window : 0;
+}
+
 /* Pairwise step of the shuffle tree: `a` and `b` each hold 16 / width groups of `width` lanes,
  * one group per position, whose sum is that position's dot product. Returns groups of half
  * the width with the same sums: a's positions first, then b's. */
@@ -207,14 +214,13 @@ static inline __attribute__((always_inline)) void attend_tile(
      * [first[x], visible[x]) (causal: the new tokens are the last ones of the context; a
      * sliding window of w positions ends at the token's own). */
     const int last_visible = b->seq_lens[seq] - (b->query_start_loc[seq + 1] - (int)(row + num_tokens));
-    const int window = b->sliding_window;
     vfloat q[rows][chunks], acc[rows][chunks], total_acc[rows][chunks];
     float running_max[rows], denominator[rows], total_max[rows], total_denominator[rows];
     int visible[rows], first[rows];
     for (int x = 0; x < rows; x++) {
         load_query(b, row + x / group, kv_head * group + x % group, chunks, q[x]);
         visible[x] = last_visible - (num_tokens - 1 - x / group);
-        first[x] = window && visible[x] > window ? visible[x] - window : 0;
+        first[x] = window_start(b, visible[x]);
     }
     empty_softmax(rows, chunks, running_max, denominator, acc);
     empty_softmax(rows, chunks, total_max, total_denominator, total_acc);
@@ -287,7 +293,7 @@ static inline __attribute__((always_inline)) void attend_decode_row(
     const Batch *b, int seq, int64_t row, int from, int to, float *partial, const int chunks)
 {
     const int heads = b->num_heads, group = heads / b->num_kv_heads, last_visible = b->seq_lens[seq];
-    const int window = b->sliding_window, first_visible = window && last_visible > window ? last_visible - window : 0;
+    const int first_visible = window_start(b, last_visible);
     vfloat q[heads][chunks], acc[heads][chunks], total_acc[heads][chunks];
     float running_max[heads], denominator[heads], total_max[heads], total_denominator[heads];
     int visible[MAX_GROUP], first[MAX_GROUP];
@@ -405,8 +411,7 @@ static void list_work(const Batch *b, int num_seqs, int long_chunk_tokens, int w
                     if (work->items) work->items[work->num_items] = (struct Item){s, kv_head, 0, 0, row, -1};
             continue;
         }
-        const int last = b->seq_lens[s], window = b->sliding_window;
-        const int first = (window && last > window ? last - window : 0) / LANES * LANES;
+        const int last = b->seq_lens[s], first = window_start(b, last) / LANES * LANES;
         if (whole_rows) {
             if (work->items) work->items[work->num_items] = (struct Item){s, -1, first, last, start_row, -1};
             work->num_items++;
