@@ -55,6 +55,9 @@ class InputBatch:
         self.num_prompt_logprobs = np.full(num_rows, -1, dtype=np.int64)  # -1 = none
         self.stop_token_ids: list[list[int]] = [[] for _ in range(num_rows)]
         self.logit_bias: list[dict[int, float] | None] = [None] * num_rows
+        # Whether the row's sampling needs more than its logits (and random draws): a penalty,
+        # min_tokens, logprobs or a logit bias.
+        self.sampling_extras = np.zeros(num_rows, dtype=bool)
         self.request_ids: list[str | None] = [None] * num_rows
         self.lora_slot = np.full(num_rows, -1, dtype=np.int64)  # -1: the base model
 
@@ -84,6 +87,10 @@ class InputBatch:
         if new.eos_token_id is not None and not params.ignore_eos:
             stop.append(new.eos_token_id)
         self.stop_token_ids[row] = stop
+        self.sampling_extras[row] = bool(
+            params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1
+            or (params.min_tokens and stop) or params.logprobs is not None or params.logit_bias
+        )
         self.request_ids[row] = new.request_id
         self.lora_slot[row] = new.lora_slot
 

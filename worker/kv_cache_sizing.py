@@ -18,7 +18,7 @@ from strata.worker.config import WorkerConfig
 from strata.worker.input_batch import to_device
 from strata.worker.llama import LlamaForCausalLM
 from strata.worker.parallel_state import TensorParallel
-from strata.worker.sampler import SamplingMetadata, sample
+from strata.worker.sampler import RandomSampling, SamplingMetadata, sample
 
 logger = logging.getLogger(__name__)
 
@@ -179,14 +179,13 @@ class KVCacheSizer:
             max_seq_len=int(lengths.max()),
         )
         rows = np.ones(num_seqs, dtype=np.float32)
-        sampling = SamplingMetadata(
+        random = RandomSampling(
             temperature=to_device(rows, self.device),
             top_k=to_device(np.full(num_seqs, max(1, self.model.vocab_size // 2), dtype=np.int64), self.device),
             top_p=to_device(rows * 0.9, self.device),
             min_p=to_device(rows * 0, self.device),
             seeds=to_device(np.zeros(num_seqs, dtype=np.int64), self.device),
             output_positions=to_device(np.zeros(num_seqs, dtype=np.int64), self.device),
-            all_greedy=False,
             need_top_k=True,
             need_top_p=True,
             need_min_p=False,
@@ -200,7 +199,7 @@ class KVCacheSizer:
             stage_input.zero_()
         hidden = self.model(token_ids, to_device(positions, self.device), caches, meta, stage_input)
         if self.model.stage.is_last:
-            sample(self.model.compute_logits(hidden[to_device(ends - 1, self.device)]), sampling)
+            sample(self.model.compute_logits(hidden[to_device(ends - 1, self.device)]), SamplingMetadata(random=random))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del caches, hidden

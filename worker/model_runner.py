@@ -31,7 +31,7 @@ from strata.worker.parallel_state import TensorParallel
 from strata.worker.llama import LlamaForCausalLM
 from strata.worker.pipeline_parallel import WHOLE_MODEL, PipelineStage, SampledTokenFeed, StageLink
 from strata.worker.prompt_logprobs import compute_prompt_logprobs, prompt_spans
-from strata.worker.sampler import SamplingMetadata, sample
+from strata.worker.sampler import RandomSampling, SamplingMetadata, sample
 from strata.worker.scaled_weights import scaled_scheme
 
 logger = logging.getLogger(__name__)
@@ -168,7 +168,8 @@ class ModelRunner:
                 assert self.feed is not None
                 self.feed.step_ran(step.step, rows)
                 return ModelRunnerOutput(step=step.step, rank=self.config.rank, kv_connector_output=self._finished_transfers())
-            last_hidden = hidden[self._to_device(inputs.query_start_loc[1:] - 1)]
+            # With one token per row, each hidden state is its row's last.
+            last_hidden = hidden if len(inputs.token_ids) == len(rows) else hidden[self._to_device(inputs.query_start_loc[1:] - 1)]
         spans = prompt_spans(self.batch, inputs)
         prompt_logprobs = compute_prompt_logprobs(spans, hidden, self.model.compute_logits) if spans else {}
         layout = None
@@ -296,32 +297,47 @@ class ModelRunner:
     def _sampling_metadata(self, inputs: StepInputs, layout: DraftLayout | None) -> SamplingMetadata:
         """One row per logits row: a batch row's, or with drafts one per position it samples."""
         batch, rows = self.batch, inputs.rows
-        # A row verifying drafts is scheduled its last token and the drafts placed after it.
-        pending = batch.num_tokens[rows] if layout is None else batch.num_tokens[rows] + layout.num_drafts
-        ends_its_tokens = batch.num_computed[rows] + inputs.num_scheduled == pending
         num_known = batch.num_tokens[rows]  # the tokens before each logits row's position
         if layout is not None:
-            rows, ends_its_tokens = rows[layout.batch_index], ends_its_tokens[layout.batch_index]
+            rows = rows[layout.batch_index]
             # A draft position sees the drafts before it as output, as a one-token step there would.
             num_known = num_known[layout.batch_index] + layout.offsets
         num_output = num_known - batch.num_prompt[rows]
-        vocab = self.model.vocab_size
         temperature = batch.temperature[rows]
+        meta = SamplingMetadata(random=self._random_sampling(rows, temperature, num_output) if temperature.any() else None)
+        if batch.sampling_extras[rows].any():
+            self._add_extras(meta, inputs, layout, rows, num_known, num_output)
+        return meta
+
+    def _random_sampling(self, rows: np.ndarray, temperature: np.ndarray, num_output: np.ndarray) -> RandomSampling:
+        batch, vocab = self.batch, self.model.vocab_size
         top_k = batch.top_k[rows]
         top_p = batch.top_p[rows]
         min_p = batch.min_p[rows]
-        meta = SamplingMetadata(
+        return RandomSampling(
             temperature=self._to_device(temperature),
             top_k=self._to_device(np.where(top_k > 0, np.minimum(top_k, vocab), vocab)),
             top_p=self._to_device(top_p),
             min_p=self._to_device(min_p),
             seeds=self._to_device(batch.seed[rows]),
             output_positions=self._to_device(num_output),
-            all_greedy=bool((temperature == 0).all()),
             need_top_k=bool(((top_k > 0) & (top_k < vocab)).any()),
             need_top_p=bool((top_p < 1).any()),
             need_min_p=bool((min_p > 0).any()),
         )
+
+    def _add_extras(
+        self,
+        meta: SamplingMetadata,
+        inputs: StepInputs,
+        layout: DraftLayout | None,
+        rows: np.ndarray,
+        num_known: np.ndarray,
+        num_output: np.ndarray,
+    ) -> None:
+        """The penalties, min_tokens bans, logprob requests and logit biases of the logits
+        rows (``rows``, their batch rows) that have them."""
+        batch, vocab = self.batch, self.model.vocab_size
         penalised = (batch.presence_penalty[rows] != 0) | (batch.frequency_penalty[rows] != 0) | (batch.repetition_penalty[rows] != 1)
         if penalised.any():
             self._add_penalties(meta, rows, num_known)
@@ -331,6 +347,11 @@ class ModelRunner:
             if num_output[i] < batch.min_tokens[row] and batch.stop_token_ids[row]
         ]
         meta.banned_tokens = banned or None
+        # A row verifying drafts is scheduled its last token and the drafts placed after it.
+        pending = batch.num_tokens[inputs.rows] if layout is None else batch.num_tokens[inputs.rows] + layout.num_drafts
+        ends_its_tokens = batch.num_computed[inputs.rows] + inputs.num_scheduled == pending
+        if layout is not None:
+            ends_its_tokens = ends_its_tokens[layout.batch_index]
         # A partial prefill chunk's sampled token is thrown away, and so would its logprobs be.
         wanted = [
             (i, min(int(batch.num_logprobs[row]), vocab))
@@ -340,7 +361,6 @@ class ModelRunner:
         meta.logprob_rows = wanted or None
         biased = [(i, batch.logit_bias[row]) for i, row in enumerate(rows.tolist()) if batch.logit_bias[row]]
         meta.logit_bias = biased or None
-        return meta
 
     def _add_penalties(self, meta: SamplingMetadata, rows: np.ndarray, num_known: np.ndarray) -> None:
         """Token counts for the penalties of each logits row: its batch row's first

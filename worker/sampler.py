@@ -17,19 +17,26 @@ _MASK_53 = (1 << 53) - 1
 
 
 @dataclass
-class SamplingMetadata:
-    """Per-row sampling parameters, as tensors on the logits' device."""
+class RandomSampling:
+    """What sampling at random needs, one entry per row, as tensors on the logits' device;
+    greedy rows among them have temperature 0."""
 
-    temperature: torch.Tensor  # [B] float32; 0 = greedy
+    temperature: torch.Tensor  # [B] float32
     top_k: torch.Tensor  # [B] int64; vocab size when disabled
     top_p: torch.Tensor  # [B] float32
     min_p: torch.Tensor  # [B] float32
     seeds: torch.Tensor  # [B] int64
     output_positions: torch.Tensor  # [B] int64: index of the token being sampled
-    all_greedy: bool
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters, as tensors on the logits' device."""
+
+    random: RandomSampling | None = None  # None: every row is greedy
     # Penalties, present only when some row has one.
     presence_penalty: torch.Tensor | None = None  # [B]
     frequency_penalty: torch.Tensor | None = None  # [B]
@@ -64,10 +71,10 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, 
         assert meta.grammar_bitmask is not None
         apply_token_bitmask(logits, meta.grammar_rows, meta.grammar_bitmask)
     greedy = cpu_layers.argmax(logits.contiguous()) if cpu_layers.handles(logits) else logits.max(dim=-1).indices
-    if meta.all_greedy:
+    if meta.random is None:
         tokens = greedy
     else:
-        tokens = torch.where(meta.temperature == 0, greedy, _sample_random(logits, meta))
+        tokens = torch.where(meta.random.temperature == 0, greedy, _sample_random(logits, meta.random))
     logprobs = _logprobs(raw, tokens, meta.logprob_rows) if meta.logprob_rows else {}
     return tokens, logprobs
 
@@ -93,7 +100,7 @@ def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     return logits - meta.presence_penalty[:, None] * (counts > 0).float()
 
 
-def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def _sample_random(logits: torch.Tensor, meta: RandomSampling) -> torch.Tensor:
     """Inverse-CDF sampling with one uniform per row from the (seed, position) generator."""
     temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
     probs = torch.softmax(logits / temperature[:, None], dim=-1)

@@ -6,7 +6,7 @@ import torch
 
 from strata.engine_core.protocol import TokenLogprobs
 from strata.worker.draft_verification import DraftLayout
-from strata.worker.sampler import SamplingMetadata, sample
+from strata.worker.sampler import RandomSampling, SamplingMetadata, sample
 
 VOCAB = 8
 CHI_SQUARE_7_DOF_AT_0_001 = 24.32  # a fixed seed makes the test deterministic; this bounds a fair sampler
@@ -52,12 +52,11 @@ def test_verified_tokens_follow_the_targets_distribution():
     draft = 2  # the most likely first token: accepted often, rejected often enough
     # Each of `count` requests verifies one draft: two logits rows, at output positions 0 and 1.
     logits = torch.stack([first, second]).repeat(count, 1)
-    meta = SamplingMetadata(
+    meta = SamplingMetadata(random=RandomSampling(
         temperature=torch.ones(2 * count), top_k=torch.full((2 * count,), VOCAB), top_p=torch.ones(2 * count),
         min_p=torch.zeros(2 * count), seeds=torch.arange(count, dtype=torch.int64).repeat_interleave(2),
-        output_positions=torch.tensor([0, 1]).repeat(count), all_greedy=False, need_top_k=False,
-        need_top_p=False, need_min_p=False,
-    )
+        output_positions=torch.tensor([0, 1]).repeat(count), need_top_k=False, need_top_p=False, need_min_p=False,
+    ))
     sampled = sample(logits, meta)[0].numpy()
     layout = DraftLayout.build(np.arange(0, 2 * count + 1, 2), np.ones(count, dtype=np.int64))
     produced = layout.verify(sampled, {i: np.array([draft]) for i in range(count)})

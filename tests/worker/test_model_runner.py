@@ -3,7 +3,7 @@
 import psutil
 import pytest
 
-from strata.engine_core.protocol import CachedRequestData, NewRequestData, SchedulerOutput, pack_handles
+from strata.engine_core.protocol import CachedRequestData, NewRequestData, SchedulerOutput, pack_handles, unpack_tokens
 from strata.engine_core.sampling_params import SamplingParams
 from strata.worker.config import WorkerConfig
 from strata.worker.model_runner import ModelRunner
@@ -42,3 +42,31 @@ def test_a_kv_cache_beyond_the_machines_memory_is_refused_at_start(tmp_path):
     config = WorkerConfig(model=str(tmp_path), dtype="float32", kv_cache_memory=psutil.virtual_memory().total * 2)
     with pytest.raises(ValueError, match="more than the .* GiB of memory available"):
         ModelRunner(config, SINGLE_RANK)
+
+
+def first_token(runner: ModelRunner, prompt: list[int], params: SamplingParams) -> int:
+    """The token a request with ``prompt`` samples after its whole prompt, in one step."""
+    new = NewRequestData("first", 1, prompt, [], params, None, list(range(8, 16)), 0, len(prompt))
+    output = runner.execute(SchedulerOutput(step=1, new_requests=[new], total_num_scheduled_tokens=len(prompt)))
+    return unpack_tokens(output.sampled_token_ids)[0]
+
+
+def test_a_row_below_min_tokens_never_picks_a_stop_token(runner):
+    (prompt,) = random_prompts([30], vocab_size=97, seed=3)
+    greedy = first_token(runner, prompt, SamplingParams(temperature=0))
+    held = first_token(runner, prompt, SamplingParams(temperature=0, stop_token_ids=[greedy], min_tokens=1))
+    assert held != greedy
+
+
+def test_a_logit_bias_reaches_the_greedy_pick(runner):
+    (prompt,) = random_prompts([30], vocab_size=97, seed=3)
+    greedy = first_token(runner, prompt, SamplingParams(temperature=0))
+    favoured = (greedy + 1) % 97
+    assert first_token(runner, prompt, SamplingParams(temperature=0, logit_bias={favoured: 100.0})) == favoured
+
+
+def test_a_repetition_penalty_turns_the_greedy_pick_away_from_the_prompts_tokens(runner):
+    # The prompt holds most of the vocabulary, the unpenalised pick among them.
+    prompt = list(range(90))
+    assert first_token(runner, prompt, SamplingParams(temperature=0)) in prompt
+    assert first_token(runner, prompt, SamplingParams(temperature=0, repetition_penalty=1e6)) not in prompt

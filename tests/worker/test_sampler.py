@@ -2,12 +2,13 @@
 
 import torch
 
-from strata.worker.sampler import SamplingMetadata, sample, uniform
+from strata.worker.sampler import RandomSampling, SamplingMetadata, sample, uniform
 
 VOCAB = 8
 
 
 def metadata(batch: int, **overrides) -> SamplingMetadata:
+    """Every row sampled at random from the whole distribution, unless ``overrides`` say otherwise."""
     fields = dict(
         temperature=torch.ones(batch),
         top_k=torch.full((batch,), VOCAB),
@@ -15,13 +16,12 @@ def metadata(batch: int, **overrides) -> SamplingMetadata:
         min_p=torch.zeros(batch),
         seeds=torch.arange(batch, dtype=torch.int64),
         output_positions=torch.zeros(batch, dtype=torch.int64),
-        all_greedy=False,
         need_top_k=False,
         need_top_p=False,
         need_min_p=False,
     )
     fields.update(overrides)
-    return SamplingMetadata(**fields)
+    return SamplingMetadata(random=RandomSampling(**fields))
 
 
 def draws(logits: torch.Tensor, count: int, **overrides) -> torch.Tensor:
@@ -74,8 +74,7 @@ def test_penalties_follow_their_formulas():
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.0, 0.0, 0.0, 0.0, 0.0]])
     counts = torch.tensor([[2.0, 1.0, 0, 0, 0, 0, 0, 0]])
     seen = torch.tensor([[True, True, True, False, False, False, False, False]])
-    meta = metadata(
-        1, all_greedy=True, temperature=torch.zeros(1),
+    meta = SamplingMetadata(
         presence_penalty=torch.tensor([0.5]), frequency_penalty=torch.tensor([0.25]),
         repetition_penalty=torch.tensor([2.0]), output_token_counts=counts, seen_token_mask=seen,
     )
@@ -85,13 +84,13 @@ def test_penalties_follow_their_formulas():
 
 def test_banned_tokens_are_never_sampled():
     logits = torch.tensor([[5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
-    meta = metadata(1, all_greedy=True, temperature=torch.zeros(1), banned_tokens=[(0, [0])])
+    meta = SamplingMetadata(banned_tokens=[(0, [0])])
     assert sample(logits, meta)[0].item() != 0
 
 
 def test_logprobs_are_those_of_the_raw_distribution_sampled_first():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0]])
-    meta = metadata(1, all_greedy=True, temperature=torch.zeros(1), logprob_rows=[(0, 2)])
+    meta = SamplingMetadata(logprob_rows=[(0, 2)])
     tokens, logprobs = sample(logits, meta)
     expected = torch.log_softmax(logits[0], -1)
     assert logprobs[0].token_ids == [1, 1, 3]
