@@ -12,11 +12,14 @@ whatever a part does not name is its "rest" row.
 
 Below the table: the memory bound of a one-row decode step, the bytes of weights such a step
 reads (every linear's and the LM head's, as held for the step) over the bandwidth of a plain
-multi-threaded read of 256 MB measured in the same run, and the measured step's ratio to it.
+multi-threaded read of 256 MB measured in the same run, and two ratios to it: the mean step's
+(prefill steps included) and the median step's (a decode step's, the steps of a run being mostly
+those).
 """
 
 import argparse
 import collections
+import statistics
 import time
 from collections.abc import Callable
 
@@ -29,12 +32,11 @@ from strata.launch.llm import LLM
 from strata.worker import model_runner, tp_layers
 from strata.worker.cpu_linear_plan import PlannedLinear
 
-Timers = collections.defaultdict[str, float]
+Timers = collections.defaultdict[str, list[float]]
 
 
-def time_calls(owner: object, name: str, part: str, timers: Timers, calls: collections.Counter[str]) -> None:
-    """Replace ``owner.name`` by a wrapper that adds its wall time to ``timers[part]`` and counts
-    its calls in ``calls[part]``."""
+def time_calls(owner: object, name: str, part: str, timers: Timers) -> None:
+    """Replace ``owner.name`` by a wrapper that appends each call's wall time to ``timers[part]``."""
     original: Callable[..., object] = getattr(owner, name)
 
     def timed(*args: object, **kwargs: object) -> object:
@@ -42,8 +44,7 @@ def time_calls(owner: object, name: str, part: str, timers: Timers, calls: colle
         try:
             return original(*args, **kwargs)
         finally:
-            timers[part] += time.perf_counter() - start
-            calls[part] += 1
+            timers[part].append(time.perf_counter() - start)
 
     setattr(owner, name, timed)
 
@@ -87,28 +88,27 @@ def main() -> None:
     core = llm.engine.core
     runner = core.executor.runner
     dtype = str(runner.dtype).removeprefix("torch.")
-    timers: Timers = collections.defaultdict(float)
-    calls: collections.Counter[str] = collections.Counter()
-    time_calls(core, "step", "step", timers, calls)
-    time_calls(runner, "execute", "execute", timers, calls)
-    time_calls(runner.batch, "prepare", "input preparation", timers, calls)
-    time_calls(runner.model, "forward", "decoder", timers, calls)
-    time_calls(cpu_decoder_layer, "decoder_stack", "fused layers, all in one call", timers, calls)
-    time_calls(cpu_decoder_layer, "attention_block", "fused attention halves", timers, calls)
-    time_calls(cpu_decoder_layer, "mlp_block", "fused MLP halves", timers, calls)
-    time_calls(tp_layers, "linear", "module-path linears", timers, calls)
+    timers: Timers = collections.defaultdict(list)
+    time_calls(core, "step", "step", timers)
+    time_calls(runner, "execute", "execute", timers)
+    time_calls(runner.batch, "prepare", "input preparation", timers)
+    time_calls(runner.model, "forward", "decoder", timers)
+    time_calls(cpu_decoder_layer, "decoder_stack", "fused layers, all in one call", timers)
+    time_calls(cpu_decoder_layer, "attention_block", "fused attention halves", timers)
+    time_calls(cpu_decoder_layer, "mlp_block", "fused MLP halves", timers)
+    time_calls(tp_layers, "linear", "module-path linears", timers)
     for module in runner.model.modules():
         # The decoder's GGUF-block linears; the head's, also a QuantizedWeight, is the LM head's row.
         if isinstance(module, PlannedLinear) and not isinstance(module, tp_layers.ParallelLMHead) and module.quantized is not None:
-            time_calls(module.quantized, "linear", "module-path linears", timers, calls)
-    time_calls(cpu_attention, "paged_attention", "module-path attention, C kernel", timers, calls)
-    time_calls(cpu_attention, "chunk_attention", "module-path attention, long chunks (C)", timers, calls)
-    time_calls(reference, "chunk_attention", "module-path attention, long chunks (torch)", timers, calls)
-    time_calls(cpu_kv_cache, "write_kv_cache", "module-path KV writes", timers, calls)
+            time_calls(module.quantized, "linear", "module-path linears", timers)
+    time_calls(cpu_attention, "paged_attention", "module-path attention, C kernel", timers)
+    time_calls(cpu_attention, "chunk_attention", "module-path attention, long chunks (C)", timers)
+    time_calls(reference, "chunk_attention", "module-path attention, long chunks (torch)", timers)
+    time_calls(cpu_kv_cache, "write_kv_cache", "module-path KV writes", timers)
     for name in ("rms_norm", "rotary_embedding_", "silu_and_mul"):
-        time_calls(cpu_layers, name, "module-path norms, rotary, SwiGLU", timers, calls)
-    time_calls(runner.model, "compute_logits", "LM head", timers, calls)
-    time_calls(model_runner, "sample", "sampler", timers, calls)
+        time_calls(cpu_layers, name, "module-path norms, rotary, SwiGLU", timers)
+    time_calls(runner.model, "compute_logits", "LM head", timers)
+    time_calls(model_runner, "sample", "sampler", timers)
 
     workload = Workload(
         num_prompts=args.num_prompts, input_len_min=args.input_len, input_len_max=args.input_len, output_len=args.output_len
@@ -118,12 +118,11 @@ def main() -> None:
     llm.generate(prompts, params, use_tqdm=False)
     llm.reset_prefix_cache()
     timers.clear()
-    calls.clear()
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    steps = calls["step"]
-    ms = {part: seconds * 1e3 / steps for part, seconds in timers.items()}
+    steps = len(timers["step"])
+    ms = {part: sum(seconds) * 1e3 / steps for part, seconds in timers.items()}
 
     decoder_parts = [
         "fused layers, all in one call", "fused attention halves", "fused MLP halves", "module-path linears", "module-path attention, C kernel",
@@ -149,8 +148,10 @@ def main() -> None:
         print(f"| {part} | {value:.2f} | {value / ms['step']:.0%} |")
     weights, bandwidth = weight_bytes_per_row_step(runner.model), read_bandwidth()
     bound_ms = weights / bandwidth * 1e3
+    median_ms = statistics.median(timers["step"]) * 1e3
     print(f"memory bound of a one-row step: {weights / 1e6:.0f} MB of weights / {bandwidth / 1e9:.1f} GB/s "
-          f"(plain read) = {bound_ms:.2f} ms; this run's step is {ms['step'] / bound_ms:.2f}x that")
+          f"(plain read) = {bound_ms:.2f} ms; this run's step is {ms['step'] / bound_ms:.2f}x that, its median step "
+          f"(a decode step, where they are most) {median_ms:.2f} ms, {median_ms / bound_ms:.2f}x")
     llm.shutdown()
 
 
