@@ -94,6 +94,11 @@ class QuantizedMatrix:
             (ctypes.c_void_p * MAX_PARTS)(*[part.data.data_ptr() for part in self.parts]),
         )
 
+    def rebind(self) -> None:
+        """Point ``struct`` at the parts' data where it lies now, after it moved (``Tensor.set_``)."""
+        for i, part in enumerate(self.parts):
+            self.struct.data[i] = part.data.data_ptr()
+
     @property
     def out_features(self) -> int:
         return sum(part.rows for part in self.parts)

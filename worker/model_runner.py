@@ -15,7 +15,7 @@ from strata.connector.offloading_worker import OffloadingConnectorWorker
 from strata.engine_core.protocol import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput, pack_tokens, unpack_tokens
 from strata.worker.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from strata.worker.config import WorkerConfig
-from strata.worker.cpu_memory import check_kv_cache_fits, keep_freed_memory, zeroed_cpu_tensor
+from strata.worker.cpu_memory import check_kv_cache_fits, keep_freed_memory, move_weights_to_huge_pages, zeroed_cpu_tensor
 from strata.worker.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from strata.worker.draft_proposer import DraftProposer, scratch_blocks_per_row
 from strata.worker.draft_verification import DraftLayout
@@ -402,6 +402,10 @@ def load_rank_model(
     scaled = scaled_scheme(config.quantization, Path(model_dir), device)
     model = load_model(model_dir, dtype, tp, backend, device, config.load_format, blocks_from, scaled, stage, num_layers)
     logger.info("rank %d: %s: weights hold %.1f MB", tp.rank, model_dir, weight_bytes(model) / 1e6)
+    if device.type == "cpu":
+        # Before the plans: the fused layers take the weights' addresses.
+        moved = move_weights_to_huge_pages(model)
+        logger.info("rank %d: %.1f MB of weights moved onto huge pages", tp.rank, moved / 1e6)
     if scaled is not None:
         logger.info("rank %d: linears: %s", tp.rank, scaled.describe())
     # The CPU plan chooses among ways to hold float weights, which 8-bit linears no longer have.
