@@ -1,6 +1,7 @@
 """The single-stream decode speed this machine's memory allows the default model: the bytes of
 weights one decode step reads, on the GGUF blocks and dequantized to bfloat16, against the read
-bandwidth measured here (the fastest of a few sums over a 1 GiB buffer, on torch's threads).
+bandwidth measured here (the fastest of a few sums over a 1 GiB buffer on huge pages, as the engine
+holds its weights, on torch's threads).
 
     python -m strata.launch.bench.memory_bound [--threads N]
 
