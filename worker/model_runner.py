@@ -405,7 +405,7 @@ def load_rank_model(
     if device.type == "cpu":
         # Before the plans: the fused layers take the weights' addresses.
         moved = move_weights_to_huge_pages(model)
-        logger.info("rank %d: %.1f MB of weights moved onto huge pages", tp.rank, moved / 1e6)
+        logger.info("rank %d: %.1f MB of weights moved to memory advised for huge pages", tp.rank, moved / 1e6)
     if scaled is not None:
         logger.info("rank %d: linears: %s", tp.rank, scaled.describe())
     # The CPU plan chooses among ways to hold float weights, which 8-bit linears no longer have.

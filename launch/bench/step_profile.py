@@ -12,9 +12,9 @@ whatever a part does not name is its "rest" row.
 
 Below the table: the memory bound of a one-row decode step, the bytes of weights such a step
 reads (every linear's and the LM head's, as held for the step) over the bandwidth of a plain
-multi-threaded read of 256 MB on huge pages (as the weights are held) measured in the same run, and two ratios to it: the mean step's
-(prefill steps included) and the median step's (a decode step's, the steps of a run being mostly
-those).
+multi-threaded read of 256 MB on huge pages (as the weights are held) measured in the same run,
+and two ratios to it: the mean step's (prefill steps included) and the median step's (a decode
+step's, the steps of a run being mostly those).
 """
 
 import argparse
