@@ -39,6 +39,9 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum on 64-bit machines
 TRIM_THRESHOLD_BYTES = 1 << 30
 HUGE_PAGE_BYTES = 2 << 20  # x86-64's transparent huge page
+# Heap memory freed by a move is given back this often, so a move never holds two copies of
+# more than this much (``keep_freed_memory`` keeps freed heap memory otherwise).
+GIVE_BACK_EVERY_BYTES = 128 << 20
 TENSOR_ALIGNMENT = 64  # as torch's CPU allocator aligns, and a cache line
 
 
@@ -71,7 +74,8 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     """Copy each distinct CPU tensor into one anonymous mapping advised for transparent huge
     pages and point the tensor at its copy in place (``Tensor.set_``: every holder of the tensor
     object sees the new memory; raw addresses taken before do not). The old memory is freed and
-    given back to the kernel. Returns the bytes moved. Where the kernel gives no huge pages
+    given back to the kernel as the move goes, so at most ``GIVE_BACK_EVERY_BYTES`` are held
+    twice. Returns the bytes moved. Where the kernel gives no huge pages
     (``transparent_hugepage`` set to never), the mapping holds ordinary pages."""
     distinct = {id(t): t for t in tensors if t.device.type == "cpu" and t.numel() and t.is_contiguous()}
     if not distinct:
@@ -85,12 +89,17 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     mapping.madvise(mmap.MADV_HUGEPAGE)
     arena = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -arena.data_ptr() % HUGE_PAGE_BYTES  # the huge pages are the aligned 2 MB of the range
+    held_twice = 0
     with torch.no_grad():
         for tensor, offset in zip(distinct.values(), offsets):
             nbytes = tensor.numel() * tensor.element_size()
             copy = arena[start + offset : start + offset + nbytes].view(tensor.dtype).view(tensor.shape)
             copy.copy_(tensor)
             tensor.set_(copy)
+            held_twice += nbytes
+            if held_twice >= GIVE_BACK_EVERY_BYTES:
+                _give_back_freed_memory()
+                held_twice = 0
     _give_back_freed_memory()
     return total
 

@@ -1,6 +1,8 @@
 """The CPU KV cache's memory: zeros that cost nothing until written, and a size check up front;
 the weights' memory: moved onto huge pages in place."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +64,23 @@ def test_moved_tensors_lie_on_huge_pages():
     tensor = torch.ones(4 << 20)  # 16 MB
     move_to_huge_pages([tensor])
     assert huge_page_kb_at(tensor.data_ptr()) >= 2048
+
+
+MOVE_PEAK_PROGRAM = """
+import resource, torch
+from strata.worker.cpu_memory import keep_freed_memory, move_to_huge_pages
+keep_freed_memory()
+tensors = [torch.ones(1 << 18) for _ in range(512)]  # 512 MB of heap, 1 MB at a time
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+move_to_huge_pages(tensors)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10)
+"""
+
+
+def test_a_move_holds_two_copies_of_a_bounded_part_of_the_weights_at_once():
+    # 512 MB moved: keeping every freed megabyte until the end would peak 512 MB higher.
+    grew_mib = int(subprocess.run([sys.executable, "-c", MOVE_PEAK_PROGRAM], capture_output=True, text=True, check=True).stdout)
+    assert grew_mib < 256
 
 
 def huge_page_kb_at(address: int) -> int:
