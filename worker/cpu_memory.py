@@ -22,7 +22,7 @@ import ctypes.util
 import logging
 import math
 import mmap
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import psutil
 import torch
@@ -45,13 +45,20 @@ GIVE_BACK_EVERY_BYTES = 128 << 20
 TENSOR_ALIGNMENT = 64  # as torch's CPU allocator aligns, and a cache line
 
 
-def keep_freed_memory() -> bool:
-    """Raise malloc's mmap and trim thresholds; returns whether the C library took them."""
+def _c_library_function(name: str) -> Callable[..., int] | None:
+    """The C library's function ``name``, or None (logged) where it has none."""
     library = ctypes.util.find_library("c")
     try:
-        mallopt = ctypes.CDLL(library).mallopt
+        return getattr(ctypes.CDLL(library), name)
     except (OSError, AttributeError, TypeError):
-        logger.debug("no mallopt in the C library (%s): malloc settings left as they are", library)
+        logger.debug("no %s in the C library (%s): malloc's behaviour left as it is", name, library)
+        return None
+
+
+def keep_freed_memory() -> bool:
+    """Raise malloc's mmap and trim thresholds; returns whether the C library took them."""
+    mallopt = _c_library_function("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
@@ -106,10 +113,9 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
 
 def _give_back_freed_memory() -> None:
     """Return the free pages of malloc's heap to the kernel (``keep_freed_memory`` keeps them)."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        logger.debug("no malloc_trim in the C library: freed heap memory stays with the process")
+    malloc_trim = _c_library_function("malloc_trim")
+    if malloc_trim is not None:
+        malloc_trim(0)
 
 
 def zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -296,16 +296,21 @@ class ModelRunner:
 
     def _sampling_metadata(self, inputs: StepInputs, layout: DraftLayout | None) -> SamplingMetadata:
         """One row per logits row: a batch row's, or with drafts one per position it samples."""
-        batch, rows = self.batch, inputs.rows
-        num_known = batch.num_tokens[rows]  # the tokens before each logits row's position
+        batch = self.batch
+        rows = inputs.rows if layout is None else inputs.rows[layout.batch_index]
+        temperature = batch.temperature[rows]
+        at_random, extras = bool(temperature.any()), bool(batch.sampling_extras[rows].any())
+        meta = SamplingMetadata()
+        if not (at_random or extras):
+            return meta  # plain greedy rows: the logits are all the sampler needs
+        num_known = batch.num_tokens[inputs.rows]  # the tokens before each logits row's position
         if layout is not None:
-            rows = rows[layout.batch_index]
             # A draft position sees the drafts before it as output, as a one-token step there would.
             num_known = num_known[layout.batch_index] + layout.offsets
         num_output = num_known - batch.num_prompt[rows]
-        temperature = batch.temperature[rows]
-        meta = SamplingMetadata(random=self._random_sampling(rows, temperature, num_output) if temperature.any() else None)
-        if batch.sampling_extras[rows].any():
+        if at_random:
+            meta.random = self._random_sampling(rows, temperature, num_output)
+        if extras:
             self._add_extras(meta, inputs, layout, rows, num_known, num_output)
         return meta
 
