@@ -43,12 +43,12 @@ def run(options: ServeOptions, engine_args: EngineArgs) -> None:
     in-flight requests finish for up to ``shutdown_timeout_s`` (then abort them), and stop the
     EngineCore and its workers. A second signal skips the wait."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # While the engine starts, SIGTERM stops the server as Ctrl-C does: KeyboardInterrupt
-    # unwinds through every clean-up. uvicorn handles both signals while it serves.
-    _handle_stop_signals(_interrupt)
+    # While the engine starts, a stop signal unwinds through every clean-up as an exception.
+    # uvicorn handles both signals while it serves.
+    _handle_stop_signals(_stop_starting)
     try:
         asyncio.run(_serve(options, engine_args))
-    except KeyboardInterrupt:  # a stop signal while the engine was starting
+    except StopWhileStarting:
         pass
     logger.info("stopped")
 
@@ -81,5 +81,15 @@ def _handle_stop_signals(handler: Callable[[int, FrameType | None], None] | sign
         signal.signal(signum, handler)
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
+class StopWhileStarting(SystemExit):
+    """A stop signal arrived while the engine was starting. Not KeyboardInterrupt: once one has
+    passed through a C extension's ``PyRun_String`` call (where a signal may land), CPython
+    kills itself with SIGINT at exit even though it was caught, and the server exits -2.
+    asyncio lets SystemExit through as it does KeyboardInterrupt."""
+
+
+def _stop_starting(signum: int, frame: FrameType | None) -> None:
+    # The clean-up this starts stops the EngineCore and its workers: a second signal must not
+    # cut it short (every wait in it is bounded).
+    _handle_stop_signals(signal.SIG_IGN)
+    raise StopWhileStarting(0)

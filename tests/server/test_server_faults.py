@@ -4,6 +4,8 @@ dies, and stop signals while starting or serving."""
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -170,3 +172,27 @@ def test_sigterm_while_the_engine_starts_exits_cleanly(log_dir):
         assert server.wait(timeout=60) == 0, server.log_tail()
     finally:
         server.stop()
+
+
+# The engine's start stands in for by code run through PyRun_String, as C extensions run
+# Python: the stop signal lands there. A KeyboardInterrupt that passed through such a call made
+# CPython kill the server with SIGINT at exit, although ``run`` caught it.
+SIGNAL_INSIDE_PYRUN_STRING = """
+import ctypes, sys
+from strata.launch.server import serve
+
+def start_in_c_code(engine_args):
+    run_string = ctypes.pythonapi.PyRun_String
+    run_string.restype = ctypes.py_object
+    run_string.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.py_object, ctypes.py_object]
+    run_string(b"import os, signal, time; os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)", 257, {}, {})
+
+serve.AsyncEngine.start = start_in_c_code
+serve.run(serve.ServeOptions(port=0), engine_args=None)
+"""
+
+
+def test_a_stop_signal_landing_in_c_called_python_while_starting_exits_zero():
+    finished = subprocess.run([sys.executable, "-c", SIGNAL_INSIDE_PYRUN_STRING], capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 0, finished.stderr
+    assert "stopped" in finished.stderr
