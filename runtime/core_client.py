@@ -6,6 +6,7 @@ receive ``EngineCoreOutputs``; both raise ``EngineDeadError`` once the EngineCor
 """
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import subprocess
@@ -51,21 +52,26 @@ class EngineCoreProcess:
 
     def __init__(self, config: ResolvedConfig, replica: int = 0, private_events: bool = False) -> None:
         self.ipc = IpcDir()
-        self.input_endpoint = self.ipc.endpoint(INPUT_ENDPOINT)
-        self.output_endpoint = self.ipc.endpoint(OUTPUT_ENDPOINT)
-        event_endpoints = replica_event_endpoints(
-            config.kv_events_endpoint, config.kv_events_replay_endpoint, replica, self.ipc, private_events
-        )
-        # Where a subscriber on this machine connects: (publish, replay), or None.
-        self.kv_events_endpoints = None if event_endpoints is None else tuple(map(connectable, event_endpoints))
-        process_config = EngineProcessConfig(
-            config.scheduler, config.worker, config.executor, self.ipc.path, config.worker_timeout_s, config.ray,
-            config.kv_offload_policy, event_endpoints,
-        )
-        self.process = subprocess.Popen([sys.executable, "-m", "strata.runtime.core_process"], stdin=subprocess.PIPE)
-        assert self.process.stdin is not None
-        self.process.stdin.write(msgspec.msgpack.encode(process_config))
-        self.process.stdin.close()
+        # Until it returns, any exception (a stop signal's too) takes back what it made so far.
+        with contextlib.ExitStack() as undo:
+            undo.callback(self.ipc.cleanup)
+            self.input_endpoint = self.ipc.endpoint(INPUT_ENDPOINT)
+            self.output_endpoint = self.ipc.endpoint(OUTPUT_ENDPOINT)
+            event_endpoints = replica_event_endpoints(
+                config.kv_events_endpoint, config.kv_events_replay_endpoint, replica, self.ipc, private_events
+            )
+            # Where a subscriber on this machine connects: (publish, replay), or None.
+            self.kv_events_endpoints = None if event_endpoints is None else tuple(map(connectable, event_endpoints))
+            process_config = EngineProcessConfig(
+                config.scheduler, config.worker, config.executor, self.ipc.path, config.worker_timeout_s, config.ray,
+                config.kv_offload_policy, event_endpoints,
+            )
+            self.process = subprocess.Popen([sys.executable, "-m", "strata.runtime.core_process"], stdin=subprocess.PIPE)
+            undo.callback(self._kill)
+            assert self.process.stdin is not None
+            self.process.stdin.write(msgspec.msgpack.encode(process_config))
+            self.process.stdin.close()
+            undo.pop_all()
 
     @property
     def pid(self) -> int:
@@ -83,9 +89,12 @@ class EngineCoreProcess:
             try:
                 self.process.wait(timeout=SHUTDOWN_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                self._kill()
         self.ipc.cleanup()
+
+    def _kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
 
 class _Connection:
@@ -131,11 +140,15 @@ class SyncCoreClient:
     def __init__(
         self, config: ResolvedConfig, replica: int = 0, private_events: bool = False, wait_ready: bool = True
     ) -> None:
+        self.context = zmq.Context()
         self.process = EngineCoreProcess(config, replica, private_events)
         self._conn = _Connection(self.process)
-        self.context = zmq.Context()
-        self._input = make_socket(self.context, zmq.PUSH, self.process.input_endpoint, bind=False)
-        self._output = make_socket(self.context, zmq.PULL, self.process.output_endpoint, bind=False)
+        try:
+            self._input = make_socket(self.context, zmq.PUSH, self.process.input_endpoint, bind=False)
+            self._output = make_socket(self.context, zmq.PULL, self.process.output_endpoint, bind=False)
+        except BaseException:  # a stop signal too: the process must not outlive this
+            self.shutdown()
+            raise
         self._replies: dict[int, UtilityResponse] = {}
         if wait_ready:
             self.wait_ready()
@@ -222,13 +235,17 @@ class AsyncCoreClient:
     from a background task; ``on_dead`` is called once if the engine dies."""
 
     def __init__(self, config: ResolvedConfig, replica: int = 0, private_events: bool = False) -> None:
+        self._reader: asyncio.Task | None = None
+        self.context = zmq.asyncio.Context()
         self.process = EngineCoreProcess(config, replica, private_events)
         self._conn = _Connection(self.process)
-        self.context = zmq.asyncio.Context()
-        self._input = make_socket(self.context, zmq.PUSH, self.process.input_endpoint, bind=False)
-        self._output = make_socket(self.context, zmq.PULL, self.process.output_endpoint, bind=False)
+        try:
+            self._input = make_socket(self.context, zmq.PUSH, self.process.input_endpoint, bind=False)
+            self._output = make_socket(self.context, zmq.PULL, self.process.output_endpoint, bind=False)
+        except BaseException:  # a stop signal too: the process must not outlive this
+            self.shutdown()
+            raise
         self._replies: dict[int, asyncio.Future] = {}
-        self._reader: asyncio.Task | None = None
 
     @property
     def num_blocks(self) -> int:

@@ -12,7 +12,9 @@ import pytest
 import zmq
 
 from strata import LLM, SamplingParams
-from strata.runtime.core_client import EngineDeadError
+from strata.runtime import core_client
+from strata.runtime.core_client import EngineCoreProcess, EngineDeadError, SyncCoreClient
+from strata.runtime.engine_args import EngineArgs, resolve
 
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
@@ -81,3 +83,25 @@ def test_garbage_frames_on_the_engine_input_do_not_stop_it():
         assert output.outputs[0].finish_reason == "length"
     finally:
         llm.shutdown()
+
+
+class StopSignal(BaseException):
+    """What a stop signal's handler raises wherever the frontend happens to be."""
+
+
+def stop(*args, **kwargs):
+    raise StopSignal
+
+
+def test_a_stop_while_the_engine_core_process_is_handed_its_config_leaves_nothing_behind(monkeypatch):
+    config = resolve(EngineArgs(dtype="float32"))
+    monkeypatch.setattr(msgspec.msgpack, "encode", stop)  # once the process runs, before it has its config
+    with pytest.raises(StopSignal):
+        EngineCoreProcess(config)
+
+
+def test_a_stop_while_the_client_connects_to_its_engine_core_stops_it(monkeypatch):
+    config = resolve(EngineArgs(dtype="float32"))
+    monkeypatch.setattr(core_client, "make_socket", stop)
+    with pytest.raises(StopSignal):
+        SyncCoreClient(config)
