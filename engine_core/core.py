@@ -4,7 +4,10 @@ This module is the loop body; ``runtime/core_process.py`` runs it in its own pro
 ZeroMQ sockets. An executor is anything that runs a ``SchedulerOutput`` on the workers. With
 pipeline parallelism a step keeps up to ``pipeline_depth`` micro-batches in flight (a batch
 queue): it schedules and submits until the queue is full or nothing is left to schedule, then
-completes the oldest.
+completes the oldest. Asynchronous scheduling is the same queue two deep, with a request in
+both steps: the workers find the next step waiting when they finish one, instead of idling
+while this process takes in the output and schedules. While a request decodes under a grammar,
+whose mask needs the token before, the queue is one deep.
 """
 
 import random
@@ -85,7 +88,8 @@ class EngineCore:
         tokenizer_path: str | None = None,
     ) -> None:
         self.executor = executor
-        self.pipeline_depth = config.pipeline_depth
+        self.queue_depth = 2 if config.async_scheduling else config.pipeline_depth
+        self.async_scheduling = config.async_scheduling
         self._batch_queue: deque[SchedulerOutput] = deque()  # submitted, not yet collected
         self.event_publisher = event_publisher
         self.scheduler = Scheduler(config, executor.num_blocks, connector, record_kv_events=event_publisher is not None)
@@ -198,19 +202,25 @@ class EngineCore:
         return outputs
 
     def _run_step(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
-        """One step through the executor: at once, or in a pipeline the oldest in flight after
-        filling the batch queue."""
-        if self.pipeline_depth == 1:
+        """One step through the executor: at once, or the oldest in flight after filling the
+        batch queue."""
+        depth = self._queue_depth()
+        queue = self._batch_queue
+        if depth == 1 and not queue:
             scheduler_output, grammar_bitmask = self._schedule()
             return scheduler_output, self.executor.execute(scheduler_output, grammar_bitmask)
         executor: PipelinedExecutor = self.executor  # type: ignore[assignment]
-        queue = self._batch_queue
-        while len(queue) < self.pipeline_depth and (not queue or self.scheduler.has_unscheduled_work()):
+        while len(queue) < depth and (not queue or self.scheduler.has_unscheduled_work()):
             scheduler_output, grammar_bitmask = self._schedule()
             executor.submit(scheduler_output, grammar_bitmask)
             queue.append(scheduler_output)
         scheduler_output = queue.popleft()
         return scheduler_output, executor.collect(scheduler_output.step)
+
+    def _queue_depth(self) -> int:
+        if self.async_scheduling and self.structured is not None and self.structured.matchers:
+            return 1
+        return self.queue_depth
 
     def _schedule(self) -> tuple[SchedulerOutput, Callable[[], bytes] | None]:
         """The next step, and what fills its grammar masks if it has constrained rows."""

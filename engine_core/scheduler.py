@@ -12,6 +12,14 @@ With pipeline parallelism up to ``pipeline_depth`` steps (micro-batches) are in 
 of them (one in flight is neither scheduled nor preempted), and the running requests are shared
 out so that the micro-batches are of similar size.
 
+With asynchronous scheduling the next step is scheduled while the workers run the last one, and
+a decoding request is in both: its computed count runs one token ahead of the tokens known here,
+and the step feeds it the token its step in flight samples, which the workers know by then. A
+request that finishes on that token (a stop token) has computed one row for nothing, dropped
+when the output comes back; one that the token ends by length is not scheduled again. Each step
+in flight remembers how far it brings every row (``ScheduledStep``): a row samples a token iff
+that reaches the request's known tokens when its output comes back in order.
+
 With LoRA adapters (``max_loras`` > 0) a request runs only while its adapter holds a slot of
 the workers' pool (``lora_slots.py``); one whose adapter finds none waits while requests behind
 it that can run go ahead, until it has waited ``starvation_steps``: then no later request
@@ -64,7 +72,9 @@ class SchedulerConfig:
     ``speculative``: how decoding requests get drafts to verify (off by default).
     ``pipeline_depth``: steps that may be in flight at once (the pipeline's stages).
     ``max_loras``: slots of the workers' LoRA adapter pool, so adapters in one step (0: LoRA
-    off, requests naming an adapter are refused)."""
+    off, requests naming an adapter are refused). ``async_scheduling``: the EngineCore schedules
+    a step while the workers run the one before (an executor that takes steps ahead; one pipeline
+    stage, no speculative decoding)."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -76,8 +86,14 @@ class SchedulerConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     pipeline_depth: int = 1
     max_loras: int = 0
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
+        if self.async_scheduling and (self.pipeline_depth > 1 or self.speculative.method is not None):
+            raise ValueError(
+                "async_scheduling needs one pipeline stage and no speculative decoding: the next step "
+                "is scheduled before the tokens that micro-batches or drafts would need are back"
+            )
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "pipeline_depth"):
@@ -89,6 +105,20 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
         if self.starvation_steps is not None and self.starvation_steps < 1:
             raise ValueError(f"starvation_steps must be >= 1 or None, got {self.starvation_steps}")
+
+
+@dataclass
+class ScheduledStep:
+    """A step in flight: its requests in batch order and, per row, the computed count the step
+    brings the request to (-1: the request was preempted since, and the row's token is void)."""
+
+    requests: list[Request]
+    ends: list[int]
+
+    def void(self, request: Request) -> None:
+        for row, scheduled in enumerate(self.requests):
+            if scheduled is request:
+                self.ends[row] = -1
 
 
 class Scheduler:
@@ -115,7 +145,7 @@ class Scheduler:
         self._lora_waiting: Counter[str] = Counter()  # waiting requests by adapter name, none at 0
         self._arrivals = 0
         self._step = 0
-        self._in_flight: dict[int, list[Request]] = {}  # step -> its requests in batch order, until its output
+        self._in_flight: dict[int, ScheduledStep] = {}  # until its output comes back
         self._collected_step = 0  # the last step whose output came back
         # Held blocks (a connector's copies still read them; free within a step or so) that
         # requests short of blocks are waiting for this step, instead of preempting more.
@@ -214,12 +244,21 @@ class Scheduler:
     @property
     def scheduled_requests(self) -> list[Request]:
         """The last scheduled step's requests in batch order, until its ``update_from_output``."""
-        return self._in_flight.get(self._step, [])
+        step = self._in_flight.get(self._step)
+        return [] if step is None else step.requests
 
     def has_unscheduled_work(self) -> bool:
         """Whether a step scheduled now could run anything: a waiting request, or a running one
-        not in flight."""
-        return self.num_waiting > 0 or any(not request.in_flight for request in self.running)
+        not in flight (pipeline stages) whose step in flight, if any, does not end it by length
+        (asynchronous scheduling)."""
+        return self.num_waiting > 0 or any(
+            not request.in_flight
+            and (
+                request.num_computed_tokens < len(request.all_token_ids)
+                or request.num_computed_tokens + 1 < request.max_num_tokens
+            )
+            for request in self.running
+        )
 
     def has_work(self) -> bool:
         """Requests to run, outputs to deliver, or blocks a connector copy still holds (the
@@ -245,7 +284,7 @@ class Scheduler:
         if len(output.preempted_handles) == preempted_by_guard:  # no admissions after a squeeze
             scheduled_new, used_by_new = self._schedule_waiting(output, budget - used)
         scheduled = scheduled_new + scheduled_running
-        self._in_flight[self._step] = scheduled
+        self._in_flight[self._step] = ScheduledStep(scheduled, [request.num_computed_tokens for request in scheduled])
         if self.config.pipeline_depth > 1:
             for request in scheduled:
                 request.in_flight = True
@@ -275,6 +314,12 @@ class Scheduler:
                 continue
             computed = request.num_computed_tokens
             num_new = len(request.all_token_ids) - computed
+            if num_new == 0:
+                # Asynchronous scheduling: its step in flight samples the token this one feeds,
+                # unless that token ends it by length.
+                if computed + 1 >= request.max_num_tokens:
+                    continue
+                num_new = 1
             drafts = None
             if num_new == 1 and speculating and budget > 1:
                 drafts = self._propose(request, budget - 1)
@@ -489,6 +534,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.blocks_kept = None  # it comes back with a table of its own
+        for step in self._in_flight.values():  # asynchronous scheduling: it may be in one
+            step.void(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._push_waiting(request)
@@ -579,7 +626,8 @@ class Scheduler:
                 f"output of step {runner_output.step} does not answer a step in flight ({sorted(self._in_flight)})"
             )
         tokens = unpack_tokens(runner_output.sampled_token_ids)
-        scheduled = self._in_flight.pop(scheduler_output.step)
+        step = self._in_flight.pop(scheduler_output.step)
+        scheduled = step.requests
         self._collected_step = scheduler_output.step
         for request in scheduled:
             request.in_flight = False
@@ -591,22 +639,22 @@ class Scheduler:
         new_token_ids: list[int] = []
         logprobs: dict[str, list[TokenLogprobs]] = {}
         # Before the tokens: a request that finishes this step still gets its last prompt logprobs.
-        prompt_logprobs = self._new_prompt_logprobs(scheduled, runner_output) if runner_output.prompt_logprobs else {}
+        prompt_logprobs = self._new_prompt_logprobs(step, runner_output) if runner_output.prompt_logprobs else {}
         verified = (
             {scheduled[row].request_id: unpack_tokens(ids) for row, ids in runner_output.verified_token_ids.items()}
             if runner_output.verified_token_ids else {}
         )
         any_finished = False
         num_taken: dict[str, int] = {}  # of a verified step's tokens, up to the one that stopped
-        for request, token in zip(scheduled, tokens):
+        for request, end, token in zip(scheduled, step.ends, tokens):
             if request.num_drafts:
                 num_taken[request.request_id] = taken = self._accept_verified(
                     request, verified[request.request_id], request_ids, new_token_ids
                 )
                 any_finished |= taken > 0 and request.status != RUNNING
                 continue
-            if request.num_computed_tokens < len(request.all_token_ids) or request.status != RUNNING:
-                continue  # a prefill chunk that does not end the prompt, or aborted meanwhile
+            if end != len(request.all_token_ids) or request.status != RUNNING:
+                continue  # a prefill chunk that does not end the prompt, or finished or preempted meanwhile
             if not request.output_token_ids and request.sampling_params.max_tokens == 0:
                 self._finish(request, RequestStatus.LENGTH)  # its prompt computed: all it asked
                 any_finished = True
@@ -614,9 +662,12 @@ class Scheduler:
             request_ids.append(request.request_id)
             new_token_ids.append(token)
             any_finished |= self._append_token(request, token)
-        for row, row_logprobs in runner_output.logprobs.items():
-            request_id = scheduled[row].request_id
-            logprobs[request_id] = row_logprobs[: num_taken[request_id]] if request_id in num_taken else row_logprobs
+        if runner_output.logprobs:
+            took_tokens = set(request_ids)  # not a row whose request finished meanwhile
+            for row, row_logprobs in runner_output.logprobs.items():
+                request_id = scheduled[row].request_id
+                if request_id in took_tokens:
+                    logprobs[request_id] = row_logprobs[: num_taken[request_id]] if request_id in num_taken else row_logprobs
         if runner_output.draft_token_ids:
             self._receive_drafts(scheduled, runner_output.draft_token_ids)
         if any_finished:
@@ -684,14 +735,14 @@ class Scheduler:
         return len(produced)
 
     @staticmethod
-    def _new_prompt_logprobs(scheduled: list[Request], runner_output: ModelRunnerOutput) -> dict[str, PromptLogprobs]:
+    def _new_prompt_logprobs(step: ScheduledStep, runner_output: ModelRunnerOutput) -> dict[str, PromptLogprobs]:
         """The step's prompt logprobs that were not sent before: a request preempted in its
         prompt computes it again from the start."""
         new = {}
         for row, computed in runner_output.prompt_logprobs.items():
-            request = scheduled[row]
-            if request.status != RUNNING:
-                continue  # aborted meanwhile
+            request = step.requests[row]
+            if request.status != RUNNING or step.ends[row] < 0:
+                continue  # finished or preempted meanwhile
             repeated = request.num_prompt_logprobs_sent - (computed.first_position - 1)
             if repeated > 0:
                 computed = computed.skip(repeated)

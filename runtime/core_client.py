@@ -97,6 +97,14 @@ class EngineCoreProcess:
         self.process.wait()
 
 
+def _connect(context: zmq.Context, process: EngineCoreProcess) -> tuple[zmq.Socket, zmq.Socket]:
+    """A client's sockets: pushing to the EngineCore's input, pulling from its output."""
+    return (
+        make_socket(context, zmq.PUSH, process.input_endpoint, bind=False),
+        make_socket(context, zmq.PULL, process.output_endpoint, bind=False),
+    )
+
+
 class _Connection:
     """Encoding, decoding and the handshake common to both clients."""
 
@@ -144,8 +152,7 @@ class SyncCoreClient:
         self.process = EngineCoreProcess(config, replica, private_events)
         self._conn = _Connection(self.process)
         try:
-            self._input = make_socket(self.context, zmq.PUSH, self.process.input_endpoint, bind=False)
-            self._output = make_socket(self.context, zmq.PULL, self.process.output_endpoint, bind=False)
+            self._input, self._output = _connect(self.context, self.process)
         except BaseException:  # a stop signal too: the process must not outlive this
             self.shutdown()
             raise
@@ -240,8 +247,7 @@ class AsyncCoreClient:
         self.process = EngineCoreProcess(config, replica, private_events)
         self._conn = _Connection(self.process)
         try:
-            self._input = make_socket(self.context, zmq.PUSH, self.process.input_endpoint, bind=False)
-            self._output = make_socket(self.context, zmq.PULL, self.process.output_endpoint, bind=False)
+            self._input, self._output = _connect(self.context, self.process)
         except BaseException:  # a stop signal too: the process must not outlive this
             self.shutdown()
             raise

@@ -117,6 +117,11 @@ class EngineArgs:
         None, "decoder layers per pipeline stage, e.g. 7,9 (default: balanced by layer count)"
     )
     executor: str = flag("mp", "uni: one process (debugging)", choices=EXECUTORS)
+    async_scheduling: bool = flag(
+        True,
+        "the mp and ray executors get the next step while they run one (the EngineCore schedules it "
+        "meanwhile); not with --executor uni, speculative decoding or pipeline stages",
+    )
     max_num_batched_tokens: int = flag(2048, "token budget per step")
     max_num_seqs: int = flag(256, "most requests in one step")
     max_model_len: int | None = flag(None, f"default: the model's, capped at {DEFAULT_MAX_MODEL_LEN_CAP}")
@@ -363,6 +368,12 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
         speculative=args.speculative_config(device),
         pipeline_depth=args.pipeline_parallel_size,
         max_loras=args.max_loras if args.lora_enabled else 0,
+        async_scheduling=(
+            args.async_scheduling
+            and args.executor != "uni"
+            and args.pipeline_parallel_size == 1
+            and args.speculative_method is None
+        ),
     )
     engine_fields = dataclasses.asdict(args)
     same_named = {name: engine_fields[name] for name in WorkerConfig.__struct_fields__ if name in engine_fields}

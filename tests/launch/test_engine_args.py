@@ -105,6 +105,25 @@ def test_without_lora_flags_the_scheduler_has_no_adapter_slots(tmp_path: Path) -
     assert resolved.scheduler.max_loras == 0 and resolved.worker.enable_lora is False
 
 
+@pytest.mark.parametrize(
+    "settings, scheduled_ahead",
+    [
+        ({"executor": "mp"}, True),
+        ({"executor": "ray"}, True),
+        ({"executor": "mp", "async_scheduling": False}, False),
+        ({"executor": "uni"}, False),  # nothing to overlap in one process
+        ({"executor": "mp", "speculative_method": "ngram"}, False),
+        ({"executor": "mp", "pipeline_parallel_size": 2}, False),
+    ],
+)
+def test_async_scheduling_resolves_on_only_where_a_step_can_be_sent_ahead(
+    tmp_path: Path, settings: dict, scheduled_ahead: bool
+) -> None:
+    tiny_llama_config().save_pretrained(tmp_path)
+    resolved = resolve(EngineArgs(model=str(tmp_path), skip_tokenizer=True, device="cpu", **settings))
+    assert resolved.scheduler.async_scheduling is scheduled_ahead
+
+
 @pytest.mark.parametrize("implying", [{"lora_modules": ["a=/a"]}, {"enable_lora_runtime_updates": True}])
 def test_adapters_to_serve_imply_enable_lora(implying: dict) -> None:
     assert EngineArgs(**implying).lora_enabled
