@@ -13,8 +13,9 @@ whatever a part does not name is its "rest" row.
 Below the table: the memory bound of a one-row decode step, the bytes of weights such a step
 reads (every linear's and the LM head's, as held for the step) over the bandwidth of a plain
 multi-threaded read of 256 MB on huge pages (as the weights are held) measured in the same run,
-and two ratios to it: the mean step's (prefill steps included) and the median step's (a decode
-step's, the steps of a run being mostly those).
+and the ratios to it of the mean step (prefill steps included), of the mean decode step (one
+token per running request, none admitted: what single-stream decode speed is) and of the
+median decode step.
 """
 
 import argparse
@@ -48,6 +49,30 @@ def time_calls(owner: object, name: str, part: str, timers: Timers) -> None:
             timers[part].append(time.perf_counter() - start)
 
     setattr(owner, name, timed)
+
+
+def time_decode_steps(core: object, timers: Timers) -> None:
+    """Append to ``timers["decode step"]`` the wall time of each EngineCore step that only
+    decodes: one token per running request, no request admitted."""
+    schedule, step = core.scheduler.schedule, core.step
+    decoding: list[bool] = []  # one entry per schedule() call of the step under way
+
+    def noting_schedule() -> object:
+        output = schedule()
+        decoding.append(not output.new_requests and not output.cached.num_tokens)
+        return output
+
+    def timed_step() -> object:
+        decoding.clear()
+        start = time.perf_counter()
+        try:
+            return step()
+        finally:
+            if decoding == [True]:
+                timers["decode step"].append(time.perf_counter() - start)
+
+    core.scheduler.schedule = noting_schedule
+    core.step = timed_step
 
 
 def weight_bytes_per_row_step(model: torch.nn.Module) -> int:
@@ -92,6 +117,7 @@ def main() -> None:
     runner = core.executor.runner
     dtype = str(runner.dtype).removeprefix("torch.")
     timers: Timers = collections.defaultdict(list)
+    time_decode_steps(core, timers)
     time_calls(core, "step", "step", timers)
     time_calls(runner, "execute", "execute", timers)
     time_calls(runner.batch, "prepare", "input preparation", timers)
@@ -151,10 +177,14 @@ def main() -> None:
         print(f"| {part} | {value:.2f} | {value / ms['step']:.0%} |")
     weights, bandwidth = weight_bytes_per_row_step(runner.model), read_bandwidth()
     bound_ms = weights / bandwidth * 1e3
-    median_ms = statistics.median(timers["step"]) * 1e3
+    decode_ms = [seconds * 1e3 for seconds in timers["decode step"]]
     print(f"memory bound of a one-row step: {weights / 1e6:.0f} MB of weights / {bandwidth / 1e9:.1f} GB/s "
-          f"(plain read) = {bound_ms:.2f} ms; this run's step is {ms['step'] / bound_ms:.2f}x that, its median step "
-          f"(a decode step, where they are most) {median_ms:.2f} ms, {median_ms / bound_ms:.2f}x")
+          f"(plain read) = {bound_ms:.2f} ms; the mean step {ms['step']:.2f} ms is {ms['step'] / bound_ms:.2f}x that")
+    if decode_ms:
+        mean_ms, median_ms = statistics.fmean(decode_ms), statistics.median(decode_ms)
+        print(f"{len(decode_ms)} decode steps: mean {mean_ms:.2f} ms ({mean_ms / bound_ms:.2f}x the bound), median "
+              f"{median_ms:.2f} ms ({median_ms / bound_ms:.2f}x), p90 {sorted(decode_ms)[int(0.9 * (len(decode_ms) - 1))]:.2f} ms, "
+              f"slowest {max(decode_ms):.2f} ms")
     llm.shutdown()
 
 
