@@ -76,6 +76,13 @@ class Request:
     in_flight: bool = False  # pipeline parallelism: in a step whose output is not back yet
 
     @property
+    def ended_by_token_in_flight(self) -> bool:
+        """Asynchronous scheduling: its known tokens are all computed, so a step in flight samples
+        the next one, and that token brings it to its length limit: no step is left for it."""
+        computed = self.num_computed_tokens
+        return computed == len(self.all_token_ids) and computed + 1 >= self.max_num_tokens
+
+    @property
     def needs_prompt_logprobs(self) -> bool:
         """Whether prompt logprobs were asked for and some are still to compute: until then
         the request computes its prompt itself, from the start."""

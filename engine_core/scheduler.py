@@ -252,12 +252,7 @@ class Scheduler:
         not in flight (pipeline stages) whose step in flight, if any, does not end it by length
         (asynchronous scheduling)."""
         return self.num_waiting > 0 or any(
-            not request.in_flight
-            and (
-                request.num_computed_tokens < len(request.all_token_ids)
-                or request.num_computed_tokens + 1 < request.max_num_tokens
-            )
-            for request in self.running
+            not request.in_flight and not request.ended_by_token_in_flight for request in self.running
         )
 
     def has_work(self) -> bool:
@@ -315,9 +310,8 @@ class Scheduler:
             computed = request.num_computed_tokens
             num_new = len(request.all_token_ids) - computed
             if num_new == 0:
-                # Asynchronous scheduling: its step in flight samples the token this one feeds,
-                # unless that token ends it by length.
-                if computed + 1 >= request.max_num_tokens:
+                # Asynchronous scheduling: its step in flight samples the token this one feeds.
+                if request.ended_by_token_in_flight:
                     continue
                 num_new = 1
             drafts = None

@@ -174,11 +174,11 @@ def test_sigterm_while_the_engine_starts_exits_cleanly(log_dir):
         server.stop()
 
 
-# The engine's start stands in for by code run through PyRun_String, as C extensions run
-# Python: the stop signal lands there. A KeyboardInterrupt that passed through such a call made
+# Code run through PyRun_String, as C extensions run Python, stands in for the engine's start:
+# the stop signal lands there. A KeyboardInterrupt that passed through such a call made
 # CPython kill the server with SIGINT at exit, although ``run`` caught it.
 SIGNAL_INSIDE_PYRUN_STRING = """
-import ctypes, sys
+import ctypes
 from strata.launch.server import serve
 
 def start_in_c_code(engine_args):
