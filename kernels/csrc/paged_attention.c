@@ -100,14 +100,20 @@ static inline int64_t tile_offset(const Batch *b, int seq, int kv_head, int star
            + (start % b->block_size) * position_stride + (int64_t)kv_head * head_dim;
 }
 
+/* How far a score may exceed the running maximum it is exponentiated against before the
+ * softmax moves that maximum up: e^8 keeps every term and sum far inside float32's range, and
+ * tiles whose scores stay under it skip finding their maximum and rescaling. */
+#define RESCALE_MARGIN 8.f
+
 /* Rows x < rows (query vectors q, each seeing positions [first[x], visible[x])) score the tile
- * of 16 positions from `start` (its key rows `keys`) into their online softmax: per row the
- * largest score so far (running_max), the sum of e^(score - that) (denominator) and the value
- * rows weighted by those terms (acc, not yet divided; rescaled here, added to in add_values).
- * weights[x]: the tile's terms for row x. */
+ * of 16 positions from `start` (its key rows `keys`) into their online softmax: per row a
+ * reference maximum (running_max: never more than RESCALE_MARGIN below any score seen), lane by
+ * lane the sums of e^(score - that) (lane_sums) and the value rows weighted by those terms (acc,
+ * not yet divided; rescaled here, added to in add_values). weights[x]: the tile's terms for
+ * row x. */
 static inline __attribute__((always_inline)) void score_tile(
     int start, const int rows, const int chunks, const vfloat q[rows][chunks], const int visible[rows],
-    const int first[rows], const vfloat keys[LANES][chunks], float running_max[rows], float denominator[rows],
+    const int first[rows], const vfloat keys[LANES][chunks], float running_max[rows], vfloat lane_sums[rows],
     vfloat acc[rows][chunks], vfloat weights[rows])
 {
     vfloat partial[LANES];
@@ -117,16 +123,20 @@ static inline __attribute__((always_inline)) void score_tile(
             partial[p] = q[x][0] * keys[p][0];
             for (int c = 1; c < chunks; c++) partial[p] += q[x][c] * keys[p][c];
         }
-        const vint in_view = (LANE_INDEX < (visible[x] - start)) & (LANE_INDEX >= (first[x] - start));
-        const vfloat scores = select_lanes(in_view, sum_each(partial), (vfloat){0} - INFINITY);
-        const float tile_max = max_of_lanes(scores);
-        const float new_max = tile_max > running_max[x] ? tile_max : running_max[x];
-        const float correction = softmax_rescale(running_max[x], new_max);
-        weights[x] = exp_lanes(scores - new_max);
-        denominator[x] = denominator[x] * correction + sum_of_lanes(weights[x]);
-        running_max[x] = new_max;
-        if (correction != 1.f)
+        vfloat scores = sum_each(partial);
+        if (start + LANES > visible[x] || start < first[x]) {
+            const vint in_view = (LANE_INDEX < (visible[x] - start)) & (LANE_INDEX >= (first[x] - start));
+            scores = select_lanes(in_view, scores, (vfloat){0} - INFINITY);
+        }
+        if (any_lane_above(scores, running_max[x] + RESCALE_MARGIN)) {
+            /* The maximum rises to the tile's (above the old one by more than the margin). */
+            const float tile_max = max_of_lanes(scores), correction = softmax_rescale(running_max[x], tile_max);
+            lane_sums[x] *= correction;
             for (int c = 0; c < chunks; c++) acc[x][c] *= correction;
+            running_max[x] = tile_max;
+        }
+        weights[x] = exp_lanes(scores - running_max[x]);
+        lane_sums[x] += weights[x];
     }
 }
 
@@ -137,9 +147,13 @@ static inline __attribute__((always_inline)) void add_values(
 {
     for (int x = 0; x < rows; x++) {
         if (start >= visible[x] || start + LANES <= first[x]) continue;
+        /* Broadcast from memory: extracting lanes of a vector wider than the registers (AVX2's
+         * pairs) went through the stack one lane at a time. */
+        float weight[LANES];
+        memcpy(weight, &weights[x], sizeof weight);
         for (int c = 0; c < chunks; c++) {
             vfloat sum = acc[x][c];
-            for (int p = 0; p < LANES; p++) sum += weights[x][p] * values[p][c];
+            for (int p = 0; p < LANES; p++) sum += weight[p] * values[p][c];
             acc[x][c] = sum;
         }
     }
@@ -171,15 +185,27 @@ static inline __attribute__((always_inline)) void empty_softmax(
     }
 }
 
-/* Rows x < rows join the segment just walked (running_max, denominator, acc) into their totals
+/* Rows x < rows: a segment's softmax (as score_tile keeps it) over no positions yet. */
+static inline __attribute__((always_inline)) void empty_segment(
+    const int rows, const int chunks, float running_max[rows], vfloat lane_sums[rows], vfloat acc[rows][chunks])
+{
+    for (int x = 0; x < rows; x++) {
+        running_max[x] = -INFINITY;
+        lane_sums[x] = (vfloat){0};
+        for (int c = 0; c < chunks; c++) acc[x][c] = (vfloat){0};
+    }
+}
+
+/* Rows x < rows join the segment just walked (running_max, lane_sums, acc) into their totals
  * (total_max, total_denominator, total_acc), and start the next one empty. */
 static inline __attribute__((always_inline)) void close_segment(
-    const int rows, const int chunks, float running_max[rows], float denominator[rows], vfloat acc[rows][chunks],
+    const int rows, const int chunks, float running_max[rows], vfloat lane_sums[rows], vfloat acc[rows][chunks],
     float total_max[rows], float total_denominator[rows], vfloat total_acc[rows][chunks])
 {
     for (int x = 0; x < rows; x++)
-        join_segment(chunks, &total_max[x], &total_denominator[x], total_acc[x], running_max[x], denominator[x], acc[x]);
-    empty_softmax(rows, chunks, running_max, denominator, acc);
+        join_segment(chunks, &total_max[x], &total_denominator[x], total_acc[x], running_max[x],
+                     sum_of_lanes(lane_sums[x]), acc[x]);
+    empty_segment(rows, chunks, running_max, lane_sums, acc);
 }
 
 /* q[c] = the 16 values of `head`'s query for `token` from c * 16, scaled. */
@@ -215,14 +241,15 @@ static inline __attribute__((always_inline)) void attend_tile(
      * sliding window of w positions ends at the token's own). */
     const int last_visible = b->seq_lens[seq] - (b->query_start_loc[seq + 1] - (int)(row + num_tokens));
     vfloat q[rows][chunks], acc[rows][chunks], total_acc[rows][chunks];
-    float running_max[rows], denominator[rows], total_max[rows], total_denominator[rows];
+    float running_max[rows], total_max[rows], total_denominator[rows];
+    vfloat lane_sums[rows];
     int visible[rows], first[rows];
     for (int x = 0; x < rows; x++) {
         load_query(b, row + x / group, kv_head * group + x % group, chunks, q[x]);
         visible[x] = last_visible - (num_tokens - 1 - x / group);
         first[x] = window_start(b, visible[x]);
     }
-    empty_softmax(rows, chunks, running_max, denominator, acc);
+    empty_segment(rows, chunks, running_max, lane_sums, acc);
     empty_softmax(rows, chunks, total_max, total_denominator, total_acc);
     const int head_dim = chunks * LANES;
     const int64_t position_bytes = (int64_t)b->num_kv_heads * head_dim * dtype_size(b->cache_dtype);
@@ -232,7 +259,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int walk_start = first[0] / LANES * LANES;
     for (int start = walk_start; start < last_visible; start += LANES) {
         if (start % SEGMENT == 0 && start != walk_start)
-            close_segment(rows, chunks, running_max, denominator, acc, total_max, total_denominator, total_acc);
+            close_segment(rows, chunks, running_max, lane_sums, acc, total_max, total_denominator, total_acc);
         const int len = last_visible - start < LANES ? last_visible - start : LANES;
         const int64_t offset = tile_offset(b, seq, kv_head, start, head_dim) * dtype_size(b->cache_dtype);
         /* Where the next tile's block does not follow this one's in memory, its rows are fetched
@@ -248,11 +275,11 @@ static inline __attribute__((always_inline)) void attend_tile(
                 }
         }
         load_tile(b->keys + offset, position_bytes, len, b->cache_dtype, chunks, keys);
-        score_tile(start, rows, chunks, q, visible, first, keys, running_max, denominator, acc, weights);
+        score_tile(start, rows, chunks, q, visible, first, keys, running_max, lane_sums, acc, weights);
         load_tile(b->values + offset, position_bytes, len, b->cache_dtype, chunks, values);
         add_values(start, rows, chunks, visible, first, values, weights, acc);
     }
-    close_segment(rows, chunks, running_max, denominator, acc, total_max, total_denominator, total_acc);
+    close_segment(rows, chunks, running_max, lane_sums, acc, total_max, total_denominator, total_acc);
     for (int x = 0; x < rows; x++)
         store_head(b, row + x / group, kv_head * group + x % group, chunks, total_acc[x], total_denominator[x]);
 }
@@ -295,14 +322,15 @@ static inline __attribute__((always_inline)) void attend_decode_row(
     const int heads = b->num_heads, group = heads / b->num_kv_heads, last_visible = b->seq_lens[seq];
     const int first_visible = window_start(b, last_visible);
     vfloat q[heads][chunks], acc[heads][chunks], total_acc[heads][chunks];
-    float running_max[heads], denominator[heads], total_max[heads], total_denominator[heads];
+    float running_max[heads], total_max[heads], total_denominator[heads];
+    vfloat lane_sums[heads];
     int visible[MAX_GROUP], first[MAX_GROUP];
     for (int x = 0; x < group; x++) {
         visible[x] = last_visible;
         first[x] = first_visible;
     }
     for (int h = 0; h < heads; h++) load_query(b, row, h, chunks, q[h]);
-    empty_softmax(heads, chunks, running_max, denominator, acc);
+    empty_segment(heads, chunks, running_max, lane_sums, acc);
     empty_softmax(heads, chunks, total_max, total_denominator, total_acc);
     const int kv_heads = b->num_kv_heads, head_dim = chunks * LANES;
     const size_t cache_item = dtype_size(b->cache_dtype);
@@ -310,7 +338,7 @@ static inline __attribute__((always_inline)) void attend_decode_row(
     vfloat tile_rows[kv_heads][LANES][chunks], weights[heads];
     for (int tile = from; tile < to; tile += LANES) {
         if (tile % SEGMENT == 0 && tile != from)
-            close_segment(heads, chunks, running_max, denominator, acc, total_max, total_denominator, total_acc);
+            close_segment(heads, chunks, running_max, lane_sums, acc, total_max, total_denominator, total_acc);
         const int len = to - tile < LANES ? to - tile : LANES;
         const int64_t offset = tile_offset(b, seq, 0, tile, head_dim) * cache_item;
         /* Where the next tile's block does not follow this one's, its rows are fetched as this
@@ -321,7 +349,7 @@ static inline __attribute__((always_inline)) void attend_decode_row(
         load_positions(b, b->keys + offset, len, ahead, chunks, tile_rows);
         for (int kv_head = 0; kv_head < kv_heads; kv_head++) {
             const int h = kv_head * group;
-            score_tile(tile, group, chunks, q + h, visible, first, tile_rows[kv_head], running_max + h, denominator + h,
+            score_tile(tile, group, chunks, q + h, visible, first, tile_rows[kv_head], running_max + h, lane_sums + h,
                        acc + h, weights + h);
         }
         load_positions(b, b->values + offset, len, -1, chunks, tile_rows);
@@ -330,7 +358,7 @@ static inline __attribute__((always_inline)) void attend_decode_row(
             add_values(tile, group, chunks, visible, first, tile_rows[kv_head], weights + h, acc + h);
         }
     }
-    close_segment(heads, chunks, running_max, denominator, acc, total_max, total_denominator, total_acc);
+    close_segment(heads, chunks, running_max, lane_sums, acc, total_max, total_denominator, total_acc);
     if (!partial) {
         for (int h = 0; h < heads; h++) store_head(b, row, h, chunks, total_acc[h], total_denominator[h]);
         return;

@@ -25,10 +25,14 @@ static inline vfloat load_lanes(const char *src, int dtype)
     if (dtype == DTYPE_FLOAT32) {
         memcpy(&result, src, sizeof result);
     } else if (dtype == DTYPE_BFLOAT16) {
+#if defined(__AVX512F__)
+        result = (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16);
+#else
         vhalfbits bits;
         memcpy(&bits, src, sizeof bits);
         vbits widened = __builtin_convertvector(bits, vbits) << 16;
         memcpy(&result, &widened, sizeof result);
+#endif
     } else {
         vhalf half;
         memcpy(&half, src, sizeof half);
@@ -125,3 +129,15 @@ static inline float max_of_lanes(vfloat v)
     return v[0];
 }
 
+/* Whether any lane of v is above `bound`. */
+static inline int any_lane_above(vfloat v, float bound)
+{
+#if defined(__AVX512F__)
+    return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(bound), _CMP_GT_OQ) != 0;
+#else
+    const vint above = v > bound;
+    int any = 0;
+    for (int i = 0; i < LANES; i++) any |= above[i];
+    return any != 0;
+#endif
+}

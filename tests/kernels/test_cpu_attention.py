@@ -54,6 +54,20 @@ def test_sliding_window_matches_reference(batch, sliding_window, dtype):
     assert_close(run_kernel(b, sliding_window), b.reference(sliding_window))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_scores_that_rise_far_above_the_running_maximum_match_reference(dtype):
+    """Queries 300 times larger spread the scores so that a later tile's often exceed the running
+    maximum by more than the kernel's rescale margin, and by more than float32's exponent range
+    (it must move the maximum and rescale the sums), while others stay within the margin
+    (exponentiated against the old maximum). Scores of hundreds carry that much more of the two
+    kernels' different summation orders into the exponentials: float32's tolerance is 1e-3 here
+    (a sum not rescaled is off by e^8 or overflows)."""
+    b = make_batch(*LONG_BATCH, 3, 64, 16, dtype)
+    b.query = (b.query.float() * 300).to(dtype)
+    tol = max(TOLERANCES[dtype], 1e-3)
+    torch.testing.assert_close(run_kernel(b), b.reference(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("sliding_window", [None, 20])
 def test_decode_rows_walked_whole_equal_them_split_by_segment(sliding_window):
     """Eight decode rows are enough for 2 threads to walk each row's context whole, and too few
