@@ -23,7 +23,12 @@ MAX_PARTS = 3
 INTERLEAVED, INTERLEAVED_ROWS = 0x100, 16
 _INTERLEAVABLE_BLOCK_BYTES = {TYPES["Q4_0"]: 18, TYPES["Q4_1"]: 20, TYPES["Q8_0"]: 34}  # blocks of 32 values
 
-_BODIES = {2: "AVX512-VNNI int16 dot products", 1: "AVX2 int16 dot products", 0: "portable C"}
+_BODIES = {
+    2: "AVX512-VNNI int16 dot products",
+    3: "AVX-512 int16 dot products (no VNNI)",
+    1: "AVX2 int16 dot products",
+    0: "portable C",
+}
 # csrc/gguf_linear.c's status codes.
 _NO_MEMORY, _UNSUPPORTED_TYPE, _BAD_SHAPE, _ROW_OUT_OF_RANGE = -1, -2, -3, -4
 

@@ -21,9 +21,10 @@
  * gguf_interleave's layout instead, rows interleaved 16 at a time, which interleaved_matrix
  * multiplies 16 rows per instruction (below).
  *
- * The dot product has three bodies, chosen when the library is built for the CPU: AVX512-VNNI
- * (vpdpwssd adds the second half's products in the same instruction), AVX2 (vpmaddwd, vpaddd),
- * and portable C.
+ * The dot product has four bodies, chosen when the library is built for the CPU: AVX512-VNNI
+ * (vpdpwssd adds the second half's products in the same instruction), AVX-512 without VNNI
+ * (vpmaddwd, vpaddd on 16 rows at once), AVX2 (the same on 8, in registers of AVX2's width) and
+ * portable C.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -240,6 +241,8 @@ int gguf_linear_body(void)
 {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return 2;
+#elif defined(__AVX512BW__)
+    return 3;
 #elif defined(__AVX2__)
     return 1;
 #else
@@ -512,6 +515,8 @@ static inline i32x16 dot_pair(i32x16 acc, i16x32 w, int32_t pair)
 {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return (i32x16)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(pair));
+#elif defined(__AVX512BW__)
+    return acc + (i32x16)_mm512_madd_epi16((__m512i)w, _mm512_set1_epi32(pair));
 #elif defined(__AVX2__)
     const __m256i broadcast = _mm256_set1_epi32(pair);
     const i16x16 low = __builtin_shufflevector(w, w, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -542,11 +547,84 @@ static inline f32x16 halves_to_floats(const uint8_t *p)
 #endif
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* group_dots for AVX2, whose registers are half a group wide: each half of the group's rows
+ * (8 lanes) in its own register, AVX2_ROWS activation rows at a time. Written with AVX2's own
+ * types: GCC took a 64-byte vector's halves in the portable code apart one lane at a time
+ * through the stack, and spilled eight rows' sums of two registers each, about 10x slower. */
+enum { AVX2_ROWS = 3 };
+
+static inline __attribute__((always_inline)) void avx2_group_dots(
+    const int base, const uint8_t *group, int64_t blocks, const struct QuantizedRun *x, int64_t runs_per_row,
+    int64_t row0, const int rows, f32x16 acc[AVX2_ROWS])
+{
+    const int64_t bytes = GROUP * block_bytes(base);
+    /* As in group_dots: at least four sums in flight. */
+    const int chains = DOT_CHAINS / rows > 1 ? DOT_CHAINS / rows : 1;
+    const __m256i low_nibbles = _mm256_set1_epi16(0xF);
+    __m256 sums[AVX2_ROWS][2];
+    for (int r = 0; r < rows; r++) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *run = group + b * bytes, *values = run + scale_bytes(base);
+        for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(run + GROUP_PREFETCH_BYTES + line, 0, 3);
+        __m256i dot[AVX2_ROWS][DOT_CHAINS][2];
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < chains; j++) dot[r][j][0] = dot[r][j][1] = _mm256_setzero_si256();
+        /* Unrolled, so that each pair's sum and shift are constants and the sums stay in registers. */
+#pragma GCC unroll 16
+        for (int p = 0; p < RUN / 2; p++) {
+            __m256i w[2];
+            if (base == GGML_Q8_0) {
+                for (int h = 0; h < 2; h++)
+                    w[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(values + 32 * p + 16 * h)));
+            } else { /* pair p = 4c + k: the k-th nibble of the 16-bit words of the c-th 64 bytes */
+                const __m128i shift = _mm_cvtsi32_si128(4 * (p % 4));
+                for (int h = 0; h < 2; h++) {
+                    const __m256i words = _mm256_loadu_si256((const __m256i *)(values + 64 * (p / 4) + 32 * h));
+                    w[h] = _mm256_and_si256(_mm256_srl_epi16(words, shift), low_nibbles);
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                int32_t pair;
+                memcpy(&pair, (const int16_t *)x[(row0 + r) * runs_per_row + b].q + 2 * p, sizeof pair);
+                const __m256i broadcast = _mm256_set1_epi32(pair);
+                __m256i *chain = dot[r][p % chains];
+                for (int h = 0; h < 2; h++) chain[h] = _mm256_add_epi32(chain[h], _mm256_madd_epi16(w[h], broadcast));
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(run + 16 * h)));
+            const __m256 m = base == GGML_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(run + 2 * GROUP + 16 * h)))
+                                               : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+            for (int r = 0; r < rows; r++) {
+                const struct QuantizedRun *a = &x[(row0 + r) * runs_per_row + b];
+                __m256i total = dot[r][0][h];
+                for (int j = 1; j < chains; j++) total = _mm256_add_epi32(total, dot[r][j][h]);
+                sums[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(a->d)), sums[r][h]);
+                if (base != GGML_Q8_0) sums[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->scaled_total), sums[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) memcpy(&acc[r], sums[r], sizeof acc[r]);
+}
+#endif
+
 /* acc[r], lane l: weight row l of `group` dotted with activation row row0 + r (r < rows). */
 static inline __attribute__((always_inline)) void group_dots(
     const int base, const uint8_t *group, int64_t blocks, const struct QuantizedRun *x, int64_t runs_per_row,
     int64_t row0, const int rows, f32x16 acc[GROUP_ROWS])
 {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    for (int r = 0; r < rows; r += AVX2_ROWS) {
+        const int count = rows - r < AVX2_ROWS ? rows - r : AVX2_ROWS;
+        switch (count) {
+        case 1: avx2_group_dots(base, group, blocks, x, runs_per_row, row0 + r, 1, acc + r); break;
+        case 2: avx2_group_dots(base, group, blocks, x, runs_per_row, row0 + r, 2, acc + r); break;
+        default: avx2_group_dots(base, group, blocks, x, runs_per_row, row0 + r, AVX2_ROWS, acc + r);
+        }
+    }
+    return;
+#endif
     const int64_t bytes = GROUP * block_bytes(base);
     /* A dot-product instruction waits for the one before on the same sum (about 5 cycles): with
      * fewer than four rows each row's sum is split into `chains` independent ones, alternating by

@@ -1,7 +1,7 @@
 """The GGUF block kernels (``kernels.gguf_linear``) against the ``gguf`` package's numpy
 dequantization: the dequantized values exactly, and ``x W^T`` within the bound that quantizing
 the activations to int16 per run of 32 allows, for every body this CPU can run (its own build,
-and builds for AVX2 and for baseline x86-64).
+and builds for AVX2, for AVX-512 without VNNI and for baseline x86-64).
 
 The bound: an activation ``x`` of a run whose largest magnitude is ``a`` is rounded to a multiple
 of ``d = a / 32767``, so off by at most ``d / 2``; an output is then off by at most
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from strata.kernels import gguf_linear, native
+from strata.kernels import cpu_features, gguf_linear, native
 
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the CPU kernels")
 
@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C comp
 HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 SOURCE = native.SOURCE_DIR / "gguf_linear.c"
-BUILDS = {"AVX2": "x86-64-v3", "portable": "x86-64"}
+# Each build's -march, and the CPU flag it needs to run here.
+BUILDS = {"AVX2": ("x86-64-v3", "avx2"), "AVX512 without VNNI": ("skylake-avx512", "avx512bw"), "portable": ("x86-64", None)}
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -77,13 +78,17 @@ def build(march: str, directory: Path) -> object:
 
 @pytest.fixture(params=["native", *BUILDS], scope="module")
 def body(request, tmp_path_factory) -> str:
-    """Each body this CPU runs: the kernels' own build, then the AVX2 and portable builds."""
+    """Each body this CPU runs: the kernels' own build, then the AVX2, AVX-512 without VNNI and
+    portable builds."""
     if request.param == "native":
         yield gguf_linear.body()
         return
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
-    library = build(BUILDS[request.param], tmp_path_factory.mktemp("gguf-builds"))
+    march, needed_flag = BUILDS[request.param]
+    if needed_flag and needed_flag not in cpu_features.cpu_flags():
+        pytest.skip(f"this CPU has no {needed_flag} to run the {request.param} build")
+    library = build(march, tmp_path_factory.mktemp("gguf-builds"))
     patch = pytest.MonkeyPatch()
     patch.setattr(native, "load_library", lambda: library)
     yield gguf_linear.body()
