@@ -147,15 +147,29 @@ static inline __attribute__((always_inline)) void add_values(
 {
     for (int x = 0; x < rows; x++) {
         if (start >= visible[x] || start + LANES <= first[x]) continue;
-        /* Broadcast from memory: extracting lanes of a vector wider than the registers (AVX2's
-         * pairs) went through the stack one lane at a time. */
         float weight[LANES];
         memcpy(weight, &weights[x], sizeof weight);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        /* In AVX2's own registers: GCC built each 16-lane broadcast of a weight through the
+         * stack one lane at a time. */
+        for (int c = 0; c < chunks; c++) {
+            float *row_acc = (float *)&acc[x][c];
+            __m256 sum[2] = {_mm256_loadu_ps(row_acc), _mm256_loadu_ps(row_acc + 8)};
+            for (int p = 0; p < LANES; p++) {
+                const __m256 broadcast = _mm256_broadcast_ss(&weight[p]);
+                const float *value = (const float *)&values[p][c];
+                for (int h = 0; h < 2; h++) sum[h] = _mm256_fmadd_ps(broadcast, _mm256_loadu_ps(value + 8 * h), sum[h]);
+            }
+            _mm256_storeu_ps(row_acc, sum[0]);
+            _mm256_storeu_ps(row_acc + 8, sum[1]);
+        }
+#else
         for (int c = 0; c < chunks; c++) {
             vfloat sum = acc[x][c];
             for (int p = 0; p < LANES; p++) sum += weight[p] * values[p][c];
             acc[x][c] = sum;
         }
+#endif
     }
 }
 

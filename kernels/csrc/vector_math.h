@@ -2,7 +2,7 @@
  * pairs of AVX2 registers or scalar code elsewhere) and the lane-wise math the kernels share. */
 #pragma once
 #include <math.h>
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <stdint.h>

@@ -6,10 +6,13 @@ the output dtype: both kernels compute in float32 and round the output once, so 
 at most the ulp a float32-level difference can tip over.
 """
 
+import ctypes
+import shutil
+
 import pytest
 import torch
 
-from strata.kernels import cpu_attention
+from strata.kernels import cpu_attention, cpu_features, native
 from paged_batches import BATCHES, LAYOUTS, NUM_KV_HEADS, forward_beside_torch_backend, make_batch
 from strata.worker.attention import CpuAttentionBackend, get_attention_backend
 
@@ -161,4 +164,27 @@ def test_cpu_backend_matches_torch_backend(batch, sliding_window):
 
 def test_cpu_is_the_default_backend_on_cpu():
     assert get_attention_backend(None, torch.device("cpu")).name == "cpu"
+
+
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory):
+    """The kernel built for AVX2 (``x86-64-v3``), whose vectors are pairs of registers, in place
+    of this CPU's own build; on an AVX2 machine it is the same code as the native build."""
+    if shutil.which("cc") is None or "avx2" not in cpu_features.cpu_flags():
+        pytest.skip("needs a C compiler and a CPU with AVX2")
+    flags = [flag if flag != "-march=native" else "-march=x86-64-v3" for flag in native.FLAGS]
+    output = tmp_path_factory.mktemp("avx2") / "paged_attention.so"
+    native.compile_library("cc", flags, output, [native.SOURCE_DIR / "paged_attention.c"])
+    library = native.declare_signatures(ctypes.CDLL(str(output)), ["paged_attention"])
+    patch = pytest.MonkeyPatch()
+    patch.setattr(native, "load_library", lambda: library)
+    yield
+    patch.undo()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", [BATCHES["mixed"], LONG_BATCH], ids=["mixed", "long"])
+def test_the_avx2_build_matches_reference(avx2_build, batch, dtype):
+    b = make_batch(*batch, 3, 64, 16, dtype)
+    assert_close(run_kernel(b), b.reference())
 
