@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC"]
+# A GCC -march value to build for instead of this CPU (e.g. x86-64-v3: the AVX2 bodies), to
+# measure another x86 family's bodies on a machine that also runs them.
+MARCH_VARIABLE = "STRATA_KERNEL_MARCH"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/dtypes.h
 
 _i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
@@ -100,6 +103,15 @@ def declare_signatures(library: ctypes.CDLL, names: Iterable[str] | None = None)
     return library
 
 
+def flags_for(march: str) -> list[str]:
+    """``FLAGS`` building for the x86 family ``march`` (a GCC -march value) instead of this CPU."""
+    return [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS]
+
+
+def _build_flags() -> list[str]:
+    return flags_for(os.environ.get(MARCH_VARIABLE) or "native")
+
+
 def compile_library(compiler: str, flags: list[str], output: Path, sources: list[Path] | None = None) -> None:
     """Compile ``sources`` (default: every source of ``csrc``) with ``flags`` into the shared
     library ``output``; raises ``CalledProcessError`` (with the compiler's messages) when that fails."""
@@ -117,7 +129,7 @@ def _build(compiler: str) -> Path:
     fd, staging = tempfile.mkstemp(prefix=".native-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        compile_library(compiler, FLAGS, Path(staging))
+        compile_library(compiler, _build_flags(), Path(staging))
         os.replace(staging, target)
     except BaseException:
         Path(staging).unlink(missing_ok=True)
@@ -130,7 +142,7 @@ def _build_key(compiler: str) -> str:
     for source in sorted(SOURCE_DIR.iterdir()):
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True).stdout
-    digest.update("\0".join([compiler, version, *FLAGS, *sorted(cpu_features.cpu_flags())]).encode())
+    digest.update("\0".join([compiler, version, *_build_flags(), *sorted(cpu_features.cpu_flags())]).encode())
     return digest.hexdigest()[:16]
 
 

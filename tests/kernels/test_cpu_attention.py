@@ -172,9 +172,8 @@ def avx2_build(tmp_path_factory):
     of this CPU's own build; on an AVX2 machine it is the same code as the native build."""
     if shutil.which("cc") is None or "avx2" not in cpu_features.cpu_flags():
         pytest.skip("needs a C compiler and a CPU with AVX2")
-    flags = [flag if flag != "-march=native" else "-march=x86-64-v3" for flag in native.FLAGS]
     output = tmp_path_factory.mktemp("avx2") / "paged_attention.so"
-    native.compile_library("cc", flags, output, [native.SOURCE_DIR / "paged_attention.c"])
+    native.compile_library("cc", native.flags_for("x86-64-v3"), output, [native.SOURCE_DIR / "paged_attention.c"])
     library = native.declare_signatures(ctypes.CDLL(str(output)), ["paged_attention"])
     patch = pytest.MonkeyPatch()
     patch.setattr(native, "load_library", lambda: library)

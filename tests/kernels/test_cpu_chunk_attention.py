@@ -33,7 +33,7 @@ def build(request, tmp_path_factory) -> None:
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
     output = tmp_path_factory.mktemp("chunk-builds") / "chunk-avx2.so"
-    native.compile_library("cc", [f"-march={AVX2}" if f == "-march=native" else f for f in native.FLAGS], output, SOURCES)
+    native.compile_library("cc", native.flags_for(AVX2), output, SOURCES)
     library = native.declare_signatures(ctypes.CDLL(str(output)), ["chunk_attention", "chunk_attention_bf16_available"])
     assert not library.chunk_attention_bf16_available()
     patch = pytest.MonkeyPatch()

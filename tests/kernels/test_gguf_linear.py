@@ -67,9 +67,8 @@ def assert_within_activation_rounding(out: torch.Tensor, x: torch.Tensor, weight
 
 @functools.cache
 def build(march: str, directory: Path) -> object:
-    flags = [flag if flag != "-march=native" else f"-march={march}" for flag in native.FLAGS]
     output = directory / f"gguf-{march}.so"
-    native.compile_library("cc", flags, output, [SOURCE])
+    native.compile_library("cc", native.flags_for(march), output, [SOURCE])
     import ctypes
 
     names = ["quantized_linear", "gguf_linear_supports", "gguf_linear_body", "gguf_dequantize", "gguf_interleave"]

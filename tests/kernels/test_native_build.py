@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from strata.kernels import cpu_layers, native
+from strata.kernels import cpu_features, cpu_layers, gguf_linear, native
 from strata.worker.attention import get_attention_backend
 
 
@@ -30,6 +30,13 @@ def test_the_library_is_built_once_into_the_cache(fresh_library):
     native.load_library.cache_clear()
     assert native.load_library() is not None
     assert built.stat().st_mtime_ns == stamp, "a cached build was compiled again"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or "avx2" not in cpu_features.cpu_flags(), reason="needs cc and AVX2")
+def test_the_kernels_build_for_the_family_the_environment_names(fresh_library, monkeypatch):
+    monkeypatch.setenv(native.MARCH_VARIABLE, "x86-64-v3")
+    assert native.load_library() is not None
+    assert gguf_linear.body() == "AVX2 int16 dot products"
 
 
 @pytest.mark.parametrize("compiler", ["strata-no-such-compiler", "false"], ids=["missing", "failing"])
@@ -53,8 +60,7 @@ TARGETS = {"AVX2": "x86-64-v3", "AVX512": "skylake-avx512", "AVX512-BF16": "coop
 def test_the_kernels_compile_for_every_x86_family(march: str, tmp_path: Path) -> None:
     # -O0: whether each family's bodies compile (intrinsics, target attributes) does not depend
     # on optimisation, and an unoptimised build of all of them takes a third of the time.
-    targeted = {"-march=native": f"-march={march}", "-O3": "-O0"}
-    flags = [targeted.get(flag, flag) for flag in native.FLAGS]
+    flags = ["-O0" if flag == "-O3" else flag for flag in native.flags_for(march)]
     try:
         native.compile_library("cc", flags, tmp_path / "native.so")
     except subprocess.CalledProcessError as error:
