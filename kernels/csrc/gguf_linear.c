@@ -48,8 +48,9 @@ enum { RUN = 32, SUPER = 256, MAX_FEATURES = 2, MAX_ROW_GROUP = 4, PREFETCH_AHEA
 enum { INTERLEAVED = 0x100, GROUP = 16, GROUP_PREFETCH_BYTES = 4096 };
 /* An interleaved group multiplies activation rows GROUP_ROWS at a time, each of its weights
  * decoded once per GROUP_ROWS rows (AVX-512's 32 registers hold 12 rows' sums and accumulators:
- * 1.15x the rate of 8 at 64-2048 rows on Xeon-AVX512; AVX2's 16 hold 8), the last few rows up to
- * TAIL_ROWS at a time; a sum alone in flight is split into up to DOT_CHAINS. */
+ * 1.15x the rate of 8 at 64-2048 rows on Xeon-AVX512; elsewhere 8, which AVX2's 16 registers
+ * take AVX2_ROWS at a time), the last few rows up to TAIL_ROWS at a time; a sum alone in flight
+ * is split into up to DOT_CHAINS. */
 #if defined(__AVX512F__)
 enum { GROUP_ROWS = 12 };
 #else
@@ -517,14 +518,7 @@ static inline i32x16 dot_pair(i32x16 acc, i16x32 w, int32_t pair)
     return (i32x16)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(pair));
 #elif defined(__AVX512BW__)
     return acc + (i32x16)_mm512_madd_epi16((__m512i)w, _mm512_set1_epi32(pair));
-#elif defined(__AVX2__)
-    const __m256i broadcast = _mm256_set1_epi32(pair);
-    const i16x16 low = __builtin_shufflevector(w, w, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const i16x16 high = __builtin_shufflevector(w, w, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
-    const i32x8 sum_low = (i32x8)_mm256_madd_epi16((__m256i)low, broadcast);
-    const i32x8 sum_high = (i32x8)_mm256_madd_epi16((__m256i)high, broadcast);
-    return acc + __builtin_shufflevector(sum_low, sum_high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
+#else /* portable C (AVX2 builds multiply in avx2_group_dots instead) */
     const int16_t a0 = (int16_t)(pair & 0xFFFF), a1 = (int16_t)((uint32_t)pair >> 16);
     for (int l = 0; l < 16; l++) acc[l] += (int32_t)w[2 * l] * a0 + (int32_t)w[2 * l + 1] * a1;
     return acc;
@@ -623,8 +617,7 @@ static inline __attribute__((always_inline)) void group_dots(
         default: avx2_group_dots(base, group, blocks, x, runs_per_row, row0 + r, AVX2_ROWS, acc + r);
         }
     }
-    return;
-#endif
+#else
     const int64_t bytes = GROUP * block_bytes(base);
     /* A dot-product instruction waits for the one before on the same sum (about 5 cycles): with
      * fewer than four rows each row's sum is split into `chains` independent ones, alternating by
@@ -668,6 +661,7 @@ static inline __attribute__((always_inline)) void group_dots(
             if (base != GGML_Q8_0) acc[r] += m * a->scaled_total;
         }
     }
+#endif
 }
 
 /* Group g's GROUP outputs of every activation row (activation rows GROUP_ROWS at a time):
