@@ -65,7 +65,7 @@ typedef struct {
     vfloat denominator;
 } Query;
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(VECTORS_ARE_AVX2_PAIRS)
 /* AVX2's registers are half a vector wide, and GCC built the portable loops' broadcasts of a
  * query or weight value through the stack one lane at a time, and spilled the rows' sums (about
  * 30x slower). Here each loop keeps one 16-position (or 16-dimension) slice of every row's sums
@@ -132,7 +132,7 @@ static inline __attribute__((always_inline)) void attend_tile(Query *query, cons
 {
     const int head_dim = chunks * LANES;
     vfloat scores[MAX_ROWS][SUBTILES];
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(VECTORS_ARE_AVX2_PAIRS)
     avx2_tile_scores(query, key_tile, rows, head_dim, scores);
 #else
     for (int r = 0; r < rows; r++)
@@ -173,7 +173,7 @@ static inline __attribute__((always_inline)) void attend_tile(Query *query, cons
         if (correction != 1.f)
             for (int d = 0; d < chunks; d++) acc[r * chunks + d] *= correction;
     }
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(VECTORS_ARE_AVX2_PAIRS)
     avx2_add_tile_values(weights, value_tile, rows, chunks, acc);
 #else
     for (int p = 0; p < TILE; p++) {

@@ -541,7 +541,7 @@ static inline f32x16 halves_to_floats(const uint8_t *p)
 #endif
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(VECTORS_ARE_AVX2_PAIRS)
 /* group_dots for AVX2, whose registers are half a group wide: each half of the group's rows
  * (8 lanes) in its own register, AVX2_ROWS activation rows at a time. Written with AVX2's own
  * types: GCC took a 64-byte vector's halves in the portable code apart one lane at a time
@@ -608,7 +608,7 @@ static inline __attribute__((always_inline)) void group_dots(
     const int base, const uint8_t *group, int64_t blocks, const struct QuantizedRun *x, int64_t runs_per_row,
     int64_t row0, const int rows, f32x16 acc[GROUP_ROWS])
 {
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(VECTORS_ARE_AVX2_PAIRS)
     for (int r = 0; r < rows; r += AVX2_ROWS) {
         const int count = rows - r < AVX2_ROWS ? rows - r : AVX2_ROWS;
         switch (count) {

@@ -149,7 +149,7 @@ static inline __attribute__((always_inline)) void add_values(
         if (start >= visible[x] || start + LANES <= first[x]) continue;
         float weight[LANES];
         memcpy(weight, &weights[x], sizeof weight);
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(VECTORS_ARE_AVX2_PAIRS)
         /* In AVX2's own registers: GCC built each 16-lane broadcast of a weight through the
          * stack one lane at a time. */
         for (int c = 0; c < chunks; c++) {

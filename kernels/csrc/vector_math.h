@@ -5,6 +5,12 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+/* Where the 16-lane vectors below are pairs of AVX2 registers: GCC lowers their broadcasts,
+ * half-vector shuffles and copies through the stack a lane at a time, so the hot loops that
+ * need them have code of their own for such builds. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define VECTORS_ARE_AVX2_PAIRS 1
+#endif
 #include <stdint.h>
 #include <string.h>
 
