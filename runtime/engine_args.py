@@ -89,6 +89,13 @@ class EngineArgs:
     tokenizer: str | None = flag(None, "tokenizer directory (default: the model's)")
     skip_tokenizer: bool = flag(False, "no tokenizer: token-id prompts only, no output text")
     dtype: str = flag("auto", choices=DTYPES)
+    kv_cache_dtype: str = flag(
+        "auto",
+        "the KV cache's dtype; auto: the model's (the torch attention backend: float32). bfloat16 halves a "
+        "float32 model's cache and the bytes its decode attention reads, at bfloat16's rounding of keys and "
+        "values (cpu and torch backends; Triton keeps the model's dtype)",
+        choices=DTYPES,
+    )
     cpu_bf16_linear: str = flag(
         "auto",
         "a bfloat16 model on CPU: steps of few rows stream the bfloat16 weights (the crossover measured "

@@ -40,6 +40,12 @@ class AttentionBackend(Protocol):
     name: str  # "cpu" for the C kernels, whose decode steps a layer may fuse
     # Whether a step's forward can be captured in a CUDA graph: no host syncs while it runs.
     graph_capturable: bool
+    # Whether it attends over a cache of another dtype than the model's (see kv_cache_dtype).
+    any_cache_dtype: bool
+
+    @staticmethod
+    def cache_dtype(model_dtype: torch.dtype) -> torch.dtype:
+        """The cache dtype it keeps for a model of ``model_dtype`` unless told otherwise."""
 
     def forward(
         self,
@@ -58,6 +64,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     graph_capturable = False  # planning a step reads the block tables back to the host
+    any_cache_dtype = True
 
     def forward(
         self,
@@ -100,6 +107,7 @@ class CpuAttentionBackend:
 
     name = "cpu"
     graph_capturable = False  # host kernels
+    any_cache_dtype = True
 
     def __init__(self) -> None:
         if not cpu_attention.is_available():
@@ -149,6 +157,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     graph_capturable = True
+    any_cache_dtype = False
 
     def __init__(self) -> None:
         # Imported here so that the torch path never needs Triton to compile anything.
@@ -202,3 +211,17 @@ def get_attention_backend(
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
     return _BACKENDS[name]()
+
+
+def kv_cache_dtype(backend: AttentionBackend, model_dtype: torch.dtype, requested: str) -> torch.dtype:
+    """The KV cache's dtype: ``requested`` (``--kv-cache-dtype``, a ``torch`` dtype's name), or
+    where that is ``"auto"`` the one ``backend`` keeps for ``model_dtype``."""
+    if requested == "auto":
+        return backend.cache_dtype(model_dtype)
+    dtype = getattr(torch, requested)
+    if dtype != model_dtype and not backend.any_cache_dtype:
+        raise ValueError(
+            f"the {backend.name} attention backend keeps the KV cache in the model's dtype ({model_dtype}); "
+            f"--kv-cache-dtype {requested} needs the cpu or torch backend"
+        )
+    return dtype

@@ -22,6 +22,7 @@ class WorkerConfig(msgspec.Struct):
     model: str
     load_format: str = "auto"  # "dummy": random weights of the config's shapes
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     cpu_bf16_linear: str = "auto"  # how a bfloat16 model's linears run on CPU
     quantization: str = "auto"  # gguf: model_loader.quantized_weights_file; fp8, int8: scaled_weights.scaled_scheme
     gguf_file: str | None = None  # the GGUF file `model` was converted from, if any

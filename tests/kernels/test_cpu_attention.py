@@ -162,6 +162,18 @@ def test_cpu_backend_matches_torch_backend(batch, sliding_window):
     assert_close(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("batch", [LONG_BATCH, BATCH_WITH_LONG_CHUNKS], ids=["short-chunks", "long-chunks"])
+def test_a_float32_model_over_a_bfloat16_cache_matches_torch_backend(batch):
+    """``--kv-cache-dtype bfloat16`` under a float32 model: keys and values are rounded once, as
+    they are written; attention then widens them exactly, so it agrees to float32's tolerance."""
+    b = make_batch(*batch, 3, 64, 16, torch.float32)
+    b.kv_cache = b.kv_cache.to(torch.bfloat16)
+    caches, outs = forward_beside_torch_backend(CpuAttentionBackend(), b)
+    torch.testing.assert_close(caches[0], caches[1], atol=0, rtol=0)
+    assert outs[0].dtype == torch.float32
+    assert_close(outs[0], outs[1])
+
+
 def test_cpu_is_the_default_backend_on_cpu():
     assert get_attention_backend(None, torch.device("cpu")).name == "cpu"
 

@@ -2,9 +2,11 @@
 
 import psutil
 import pytest
+import torch
 
 from strata.engine_core.protocol import CachedRequestData, NewRequestData, SchedulerOutput, pack_handles, unpack_tokens
 from strata.engine_core.sampling_params import SamplingParams
+from strata.worker.attention import TorchAttentionBackend, TritonAttentionBackend, kv_cache_dtype
 from strata.worker.config import WorkerConfig
 from strata.worker.model_runner import ModelRunner
 from worker_helpers import SINGLE_RANK
@@ -42,6 +44,28 @@ def test_a_kv_cache_beyond_the_machines_memory_is_refused_at_start(tmp_path):
     config = WorkerConfig(model=str(tmp_path), dtype="float32", kv_cache_memory=psutil.virtual_memory().total * 2)
     with pytest.raises(ValueError, match="more than the .* GiB of memory available"):
         ModelRunner(config, SINGLE_RANK)
+
+
+def test_a_bfloat16_kv_cache_holds_twice_the_blocks_of_a_float32_one_in_the_same_memory(tmp_path):
+    save_tiny_model(tiny_llama_config(), tmp_path)
+    runners = [
+        ModelRunner(
+            WorkerConfig(model=str(tmp_path), dtype="float32", kv_cache_dtype=name, kv_cache_memory=1 << 22), SINGLE_RANK
+        )
+        for name in ("float32", "bfloat16")
+    ]
+    assert [runner.kv_caches[0].dtype for runner in runners] == [torch.float32, torch.bfloat16]
+    assert runners[1].num_blocks == 2 * runners[0].num_blocks
+
+
+def test_auto_keeps_the_backends_own_cache_dtype():
+    assert kv_cache_dtype(TorchAttentionBackend, torch.bfloat16, "auto") == torch.float32
+
+
+def test_the_triton_backend_refuses_a_cache_dtype_other_than_the_models():
+    assert kv_cache_dtype(TritonAttentionBackend, torch.bfloat16, "bfloat16") == torch.bfloat16
+    with pytest.raises(ValueError, match="triton attention backend keeps the KV cache in the model's dtype"):
+        kv_cache_dtype(TritonAttentionBackend, torch.bfloat16, "float32")
 
 
 def first_token(runner: ModelRunner, prompt: list[int], params: SamplingParams) -> int:
