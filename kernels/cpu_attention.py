@@ -58,7 +58,7 @@ def paged_attention(
         query.stride(1),
         native.DTYPE_CODES[query.dtype],
         kv_cache.data_ptr(),
-        native.DTYPE_CODES[kv_cache.dtype],
+        native.CACHE_DTYPE_CODES[kv_cache.dtype],
         kv_cache.shape[1],
         kv_cache.shape[2],
         kv_cache.shape[3],
@@ -96,7 +96,7 @@ def _check(
             raise ValueError(f"{name} must be int32, got {tensor.dtype}")
     if block_tables.stride(1) != 1 or query.stride(2) != 1:
         raise ValueError("block_tables rows and query heads must be contiguous")
-    if query.dtype not in native.DTYPE_CODES or kv_cache.dtype not in native.DTYPE_CODES:
+    if query.dtype not in native.DTYPE_CODES or kv_cache.dtype not in native.CACHE_DTYPE_CODES:
         raise ValueError(f"unsupported dtypes: query {query.dtype}, cache {kv_cache.dtype}")
     num_heads, (_, _, block_size, num_kv_heads, head_dim) = query.shape[1], kv_cache.shape
     if not supports(num_heads, num_kv_heads, head_dim, block_size):
@@ -132,7 +132,7 @@ def chunk_attention(
         library is None
         or not supports(num_heads, num_kv_heads, head_dim, block_size)
         or query.dtype not in native.DTYPE_CODES
-        or kv_cache.dtype not in native.DTYPE_CODES
+        or kv_cache.dtype not in native.CACHE_DTYPE_CODES
         or out.dtype != query.dtype
         or query.stride(2) != 1
         or not (out.is_contiguous() and kv_cache.is_contiguous() and blocks.is_contiguous())
@@ -150,6 +150,6 @@ def chunk_attention(
             return True
     status = library.chunk_attention(
         query.data_ptr(), query.stride(0), query.stride(1), native.DTYPE_CODES[query.dtype], kv_cache.data_ptr(),
-        native.DTYPE_CODES[kv_cache.dtype], *common,
+        native.CACHE_DTYPE_CODES[kv_cache.dtype], *common,
     )
     return status == 0

@@ -107,9 +107,9 @@ def decode_step(
 
 def kv_cache(cache: torch.Tensor) -> KvCache:
     """The C view of a layer's contiguous paged cache ``[2, blocks, block_size, kv_heads, head_dim]``."""
-    if not cache.is_contiguous() or cache.dtype not in native.DTYPE_CODES:
+    if not cache.is_contiguous() or cache.dtype not in native.CACHE_DTYPE_CODES:
         raise ValueError("the fused layer needs a contiguous KV cache of a supported dtype")
-    return KvCache(cache.data_ptr(), cache.shape[1], cache.shape[2], native.DTYPE_CODES[cache.dtype])
+    return KvCache(cache.data_ptr(), cache.shape[1], cache.shape[2], native.CACHE_DTYPE_CODES[cache.dtype])
 
 
 def attention_block(

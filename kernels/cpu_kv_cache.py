@@ -28,7 +28,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
         native.DTYPE_CODES[key.dtype],
         kv_cache.data_ptr(),
         kv_cache.shape[1] * kv_cache.shape[2],
-        native.DTYPE_CODES[kv_cache.dtype],
+        native.CACHE_DTYPE_CODES[kv_cache.dtype],
         num_kv_heads * head_dim,
         slot_mapping.data_ptr(),
         num_tokens,

@@ -31,6 +31,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=gnu11", "-
 # measure another x86 family's bodies on a machine that also runs them.
 MARCH_VARIABLE = "STRATA_KERNEL_MARCH"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/dtypes.h
+CACHE_DTYPE_CODES = DTYPE_CODES | {torch.float8_e4m3fn: 3}  # float8: KV caches only
 
 _i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {

@@ -21,7 +21,7 @@ from strata.engine_core.speculative import SPECULATIVE_METHODS, SpeculativeConfi
 from strata.engine_core.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from strata.runtime.executors.ray_config import RAY_PLACEMENT_STRATEGIES, RayConfig
 from strata.worker.config import (
-    ATTENTION_BACKENDS, CPU_BF16_LINEAR_MODES, DTYPES, LOAD_FORMATS, QUANTIZATIONS, WorkerConfig,
+    ATTENTION_BACKENDS, CPU_BF16_LINEAR_MODES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, WorkerConfig,
 )
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -93,8 +93,9 @@ class EngineArgs:
         "auto",
         "the KV cache's dtype; auto: the model's (the torch attention backend: float32). bfloat16 halves a "
         "float32 model's cache and the bytes its decode attention reads, at bfloat16's rounding of keys and "
-        "values (cpu and torch backends; Triton keeps the model's dtype)",
-        choices=DTYPES,
+        "values; fp8: float8 e4m3 with a scale of 1 (values clamped to +-448), a quarter of float32 (cpu and "
+        "torch backends; Triton keeps the model's dtype)",
+        choices=KV_CACHE_DTYPES,
     )
     cpu_bf16_linear: str = flag(
         "auto",

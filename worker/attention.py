@@ -213,12 +213,18 @@ def get_attention_backend(
     return _BACKENDS[name]()
 
 
+def named_cache_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``--kv-cache-dtype`` value other than ``"auto"``."""
+    return torch.float8_e4m3fn if name == "fp8" else getattr(torch, name)
+
+
 def kv_cache_dtype(backend: AttentionBackend, model_dtype: torch.dtype, requested: str) -> torch.dtype:
-    """The KV cache's dtype: ``requested`` (``--kv-cache-dtype``, a ``torch`` dtype's name), or
-    where that is ``"auto"`` the one ``backend`` keeps for ``model_dtype``."""
+    """The KV cache's dtype: ``requested`` (``--kv-cache-dtype``: a ``torch`` dtype's name, or
+    ``"fp8"`` for float8 e4m3), or where that is ``"auto"`` the one ``backend`` keeps for
+    ``model_dtype``."""
     if requested == "auto":
         return backend.cache_dtype(model_dtype)
-    dtype = getattr(torch, requested)
+    dtype = named_cache_dtype(requested)
     if dtype != model_dtype and not backend.any_cache_dtype:
         raise ValueError(
             f"the {backend.name} attention backend keeps the KV cache in the model's dtype ({model_dtype}); "

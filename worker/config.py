@@ -9,6 +9,7 @@ from strata.engine_core.zmq_curve import WorkerCurveKeys
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = (*DTYPES, "fp8")  # fp8: float8 e4m3 (worker.attention.kv_cache_dtype)
 CPU_BF16_LINEAR_MODES = ("auto", "float32", "native")
 QUANTIZATIONS = ("auto", "gguf", "fp8", "fp8-weight-only", "int8", "none")
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")

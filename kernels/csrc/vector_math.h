@@ -23,6 +23,21 @@ typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint16_t vhalfbits __attribute__((vector_size(LANES * sizeof(uint16_t))));
 typedef uint32_t vbits __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef _Float16 vhalf __attribute__((vector_size(LANES * sizeof(_Float16))));
+typedef uint8_t vcodes __attribute__((vector_size(LANES * sizeof(uint8_t))));
+
+static const vint LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* Lane by lane: `mask` (all ones or zero, as vector comparisons give) ? a : b. */
+static inline vfloat select_lanes(vint mask, vfloat a, vfloat b)
+{
+    vint a_bits, b_bits;
+    memcpy(&a_bits, &a, sizeof a);
+    memcpy(&b_bits, &b, sizeof b);
+    vint chosen = (a_bits & mask) | (b_bits & ~mask);
+    vfloat result;
+    memcpy(&result, &chosen, sizeof result);
+    return result;
+}
 
 /* 16 consecutive elements of `dtype` at `src`, as float32. */
 static inline vfloat load_lanes(const char *src, int dtype)
@@ -39,25 +54,42 @@ static inline vfloat load_lanes(const char *src, int dtype)
         vbits widened = __builtin_convertvector(bits, vbits) << 16;
         memcpy(&result, &widened, sizeof result);
 #endif
+    } else if (dtype == DTYPE_FLOAT8_E4M3) {
+        /* float8_e4m3_to_float, 16 codes at once; the NaN codes are the ones that widen to +-480. */
+#if defined(__AVX2__) && defined(__F16C__)
+        const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
+        const __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7f)), 7),
+                                             _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8));
+#if defined(__AVX512F__)
+        const __m512 finite = _mm512_mul_ps(_mm512_cvtph_ps(bits), _mm512_set1_ps(256.f));
+        const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_abs_ps(finite), _mm512_set1_ps(480.f), _CMP_EQ_OQ);
+        result = (vfloat)_mm512_mask_mov_ps(finite, nan, _mm512_set1_ps(NAN));
+#else
+        const __m128i quarters[2] = {_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)};
+        __m256 halves[2];
+        for (int h = 0; h < 2; h++) {
+            const __m256 finite = _mm256_mul_ps(_mm256_cvtph_ps(quarters[h]), _mm256_set1_ps(256.f));
+            const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.f), finite);
+            halves[h] = _mm256_blendv_ps(finite, _mm256_set1_ps(NAN), _mm256_cmp_ps(magnitude, _mm256_set1_ps(480.f), _CMP_EQ_OQ));
+        }
+        memcpy(&result, halves, sizeof result);
+#endif
+#else
+        vcodes codes;
+        memcpy(&codes, src, sizeof codes);
+        const vhalfbits wide = __builtin_convertvector(codes, vhalfbits);
+        const vhalfbits bits = (wide & 0x7f) << 7 | (wide & 0x80) << 8;
+        vhalf half;
+        memcpy(&half, &bits, sizeof half);
+        const vfloat finite = __builtin_convertvector(half, vfloat) * 256.f;
+        const vfloat magnitude = select_lanes(finite < 0, -finite, finite);
+        result = select_lanes(magnitude == 480.f, (vfloat){0} + NAN, finite);
+#endif
     } else {
         vhalf half;
         memcpy(&half, src, sizeof half);
         result = __builtin_convertvector(half, vfloat);
     }
-    return result;
-}
-
-static const vint LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-
-/* Lane by lane: `mask` (all ones or zero, as vector comparisons give) ? a : b. */
-static inline vfloat select_lanes(vint mask, vfloat a, vfloat b)
-{
-    vint a_bits, b_bits;
-    memcpy(&a_bits, &a, sizeof a);
-    memcpy(&b_bits, &b, sizeof b);
-    vint chosen = (a_bits & mask) | (b_bits & ~mask);
-    vfloat result;
-    memcpy(&result, &chosen, sizeof result);
     return result;
 }
 

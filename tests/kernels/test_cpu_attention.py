@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from strata.kernels import cpu_attention, cpu_features, native
+from strata.kernels import cpu_attention, cpu_features, native, reference
 from paged_batches import BATCHES, LAYOUTS, NUM_KV_HEADS, forward_beside_torch_backend, make_batch
 from strata.worker.attention import CpuAttentionBackend, get_attention_backend
 
@@ -162,16 +162,34 @@ def test_cpu_backend_matches_torch_backend(batch, sliding_window):
     assert_close(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("batch", [LONG_BATCH, BATCH_WITH_LONG_CHUNKS], ids=["short-chunks", "long-chunks"])
-def test_a_float32_model_over_a_bfloat16_cache_matches_torch_backend(batch):
-    """``--kv-cache-dtype bfloat16`` under a float32 model: keys and values are rounded once, as
-    they are written; attention then widens them exactly, so it agrees to float32's tolerance."""
+def test_a_float32_model_over_a_narrower_cache_matches_torch_backend(batch, cache_dtype):
+    """``--kv-cache-dtype bfloat16`` or ``fp8`` under a float32 model: keys and values are rounded
+    once, as they are written; attention then widens them exactly, so it agrees to float32's
+    tolerance."""
     b = make_batch(*batch, 3, 64, 16, torch.float32)
-    b.kv_cache = b.kv_cache.to(torch.bfloat16)
+    b.kv_cache = b.kv_cache.to(cache_dtype)
     caches, outs = forward_beside_torch_backend(CpuAttentionBackend(), b)
-    torch.testing.assert_close(caches[0], caches[1], atol=0, rtol=0)
+    assert reference.indexable(caches[0]).equal(reference.indexable(caches[1]))
     assert outs[0].dtype == torch.float32
     assert_close(outs[0], outs[1])
+
+
+def assert_every_float8_code_reads_back_exactly() -> None:
+    """Over a context of one position a query's output is that position's value row: each of
+    the 256 codes (subnormals, NaN) must widen to torch's float32 for it."""
+    b = make_batch([1] * 4, [1] * 4, 1, 32, 16, torch.float32)
+    b.kv_cache = b.kv_cache.to(torch.float8_e4m3fn)
+    codes = torch.arange(256, dtype=torch.uint8).view(4, NUM_KV_HEADS, 32)
+    first_blocks = b.meta.block_tables[:, 0].long()
+    b.kv_cache.view(torch.uint8)[1, first_blocks, 0] = codes
+    expected = codes.view(torch.float8_e4m3fn).float()
+    torch.testing.assert_close(run_kernel(b), expected, atol=0, rtol=0, equal_nan=True)
+
+
+def test_every_float8_code_reads_back_exactly():
+    assert_every_float8_code_reads_back_exactly()
 
 
 def test_cpu_is_the_default_backend_on_cpu():
@@ -199,3 +217,6 @@ def test_the_avx2_build_matches_reference(avx2_build, batch, dtype):
     b = make_batch(*batch, 3, 64, 16, dtype)
     assert_close(run_kernel(b), b.reference())
 
+
+def test_the_avx2_build_reads_every_float8_code_exactly(avx2_build):
+    assert_every_float8_code_reads_back_exactly()

@@ -99,12 +99,25 @@ def test_chunk_attention_equals_float64_attention_within_its_roundings(
     assert_within_roundings(out, expected_attention(cache, blocks, query, context, 0.125, sliding_window), cache[1])
 
 
-def test_a_float32_query_over_a_bfloat16_cache_is_attended_in_float32(build):
-    cache, blocks, query = paged_chunk(80, 200, 6, 2, 64)
-    query = query.float()
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bfloat16", "float8"])
+def test_a_float32_query_over_a_narrower_cache_is_attended_in_float32(build, cache_dtype):
+    cache, blocks, query = paged_chunk(80, 200, 6, 2, 64, torch.float32)
+    cache = cache.to(cache_dtype)
     out = torch.empty(80, 6, 64)
     assert cpu_attention.chunk_attention(query, cache, blocks, 200, 0.125, out)
-    assert_within_roundings(out, expected_attention(cache, blocks, query, 200, 0.125), cache[1])
+    assert_within_roundings(out, expected_attention(cache, blocks, query, 200, 0.125), cache[1].float())
+
+
+def test_every_float8_code_reads_back_exactly(build):
+    """The chunk's first position sees only itself, so its output is its value row: there the
+    two KV heads' rows hold all 256 codes (subnormals, NaN), each to widen to torch's float32."""
+    cache, blocks, query = paged_chunk(64, 64, 2, 2, 128, torch.float32)
+    cache = cache.to(torch.float8_e4m3fn)
+    codes = torch.arange(256, dtype=torch.uint8).view(2, 128)
+    cache.view(torch.uint8)[1, blocks[0].long(), 0] = codes
+    out = torch.empty(64, 2, 128)
+    assert cpu_attention.chunk_attention(query, cache, blocks, 64, 0.125, out)
+    torch.testing.assert_close(out[0], codes.view(torch.float8_e4m3fn).float(), atol=0, rtol=0, equal_nan=True)
 
 
 def test_positions_outside_the_context_are_never_read(build):

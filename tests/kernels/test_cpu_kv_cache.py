@@ -8,16 +8,35 @@ from strata.kernels import cpu_kv_cache, native, reference
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the CPU kernels")
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32_cache", "bf16_cache"])
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["fp32_cache", "bf16_cache", "fp8_cache"]
+)
 def test_write_matches_reference_on_strided_views_with_skips(cache_dtype):
     torch.manual_seed(3)
     qkv = torch.randn(6, (4 + 2 * 2) * 16).to(torch.bfloat16)
     key, value = (t.view(6, 2, 16) for t in qkv[:, 64:].split(32, dim=1))
     slots = torch.tensor([5, -1, 0, 17, -1, 30])
-    caches = [torch.zeros(2, 2, 16, 2, 16, dtype=cache_dtype) for _ in range(2)]
-    cpu_kv_cache.write_kv_cache(key, value, caches[0], slots)
-    reference.write_kv_cache(key, value, caches[1], slots)
+    caches = [reference.indexable(torch.zeros(2, 2, 16, 2, 16, dtype=cache_dtype)) for _ in range(2)]
+    cpu_kv_cache.write_kv_cache(key, value, caches[0].view(cache_dtype), slots)
+    reference.write_kv_cache(key, value, caches[1].view(cache_dtype), slots)
     assert caches[0].equal(caches[1]) and caches[0].count_nonzero() > 0
+
+
+def test_a_float8_write_rounds_and_saturates_every_value_as_torch_does():
+    """Every float8 e4m3 value, the midpoints between neighbours (ties to even) and the floats
+    either side of them, subnormals, values past 448, infinities and NaN."""
+    finite = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = finite[finite.isfinite()].unique()
+    midpoints = (finite[1:] + finite[:-1]) / 2
+    edges = [midpoints.nextafter(torch.tensor(bound)) for bound in (float("inf"), float("-inf"))]
+    extremes = torch.tensor([449.0, 464.0, 465.0, -1e30, float("inf"), float("-inf"), float("nan"), -0.0, 2.0**-10])
+    values = torch.cat([finite, midpoints, *edges, extremes, torch.randn(4096) * 40]).float()
+    values = values[: values.numel() // 16 * 16].view(-1, 1, 16)
+    cache = torch.zeros(2, values.shape[0], 1, 1, 16, dtype=torch.float8_e4m3fn)
+    cpu_kv_cache.write_kv_cache(values, values, cache, torch.arange(values.shape[0]))
+    expected = values.to(torch.float8_e4m3fn).view(torch.uint8)
+    assert cache[0].view(torch.uint8).flatten().equal(expected.flatten())
+    assert cache[1].view(torch.uint8).flatten().equal(expected.flatten())
 
 
 def test_write_refuses_a_slot_outside_the_cache():

@@ -15,7 +15,7 @@ from strata.launch.cli.main import build_parser
 
 MODULES = (
     "compare_vllm", "compare_vllm_serve", "compare_vllm_driver", "step_profile", "dp_routing", "speculative",
-    "memory_bound", "multinode", "netns_cluster", "pipeline", "decode_attention",
+    "memory_bound", "multinode", "netns_cluster", "pipeline", "decode_attention", "cache_perplexity",
 )
 
 

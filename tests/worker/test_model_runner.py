@@ -46,16 +46,16 @@ def test_a_kv_cache_beyond_the_machines_memory_is_refused_at_start(tmp_path):
         ModelRunner(config, SINGLE_RANK)
 
 
-def test_a_bfloat16_kv_cache_holds_twice_the_blocks_of_a_float32_one_in_the_same_memory(tmp_path):
+def test_narrower_kv_caches_hold_more_blocks_in_the_same_memory(tmp_path):
     save_tiny_model(tiny_llama_config(), tmp_path)
     runners = [
         ModelRunner(
             WorkerConfig(model=str(tmp_path), dtype="float32", kv_cache_dtype=name, kv_cache_memory=1 << 22), SINGLE_RANK
         )
-        for name in ("float32", "bfloat16")
+        for name in ("float32", "bfloat16", "fp8")
     ]
-    assert [runner.kv_caches[0].dtype for runner in runners] == [torch.float32, torch.bfloat16]
-    assert runners[1].num_blocks == 2 * runners[0].num_blocks
+    assert [runner.kv_caches[0].dtype for runner in runners] == [torch.float32, torch.bfloat16, torch.float8_e4m3fn]
+    assert [runner.num_blocks / runners[0].num_blocks for runner in runners] == [1, 2, 4]
 
 
 def test_auto_keeps_the_backends_own_cache_dtype():
