@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 
-def indexable(tensor: torch.Tensor) -> torch.Tensor:
+def float8_as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, or a float8 one's bytes as uint8: torch's index copies have no float8 kernels."""
     return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
 
@@ -30,9 +30,9 @@ def write_kv_cache(
     the cache's dtype; a float8 one saturates at its largest finite value)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    flat = indexable(kv_cache).view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
-    flat[0].index_copy_(0, slots, indexable(key[keep].to(kv_cache.dtype)))
-    flat[1].index_copy_(0, slots, indexable(value[keep].to(kv_cache.dtype)))
+    flat = float8_as_bytes(kv_cache).view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+    flat[0].index_copy_(0, slots, float8_as_bytes(key[keep].to(kv_cache.dtype)))
+    flat[1].index_copy_(0, slots, float8_as_bytes(value[keep].to(kv_cache.dtype)))
 
 
 def copy_blocks(
@@ -46,8 +46,8 @@ def copy_blocks(
     Both caches have the per-block layout ``[2, *, block_size, num_kv_heads, head_dim]``;
     their ``num_blocks`` (and devices) may differ. Destination ids must be distinct.
     """
-    blocks = indexable(src_cache).index_select(1, src_block_ids.to(src_cache.device, torch.long))
-    indexable(dst_cache).index_copy_(1, dst_block_ids.to(dst_cache.device, torch.long), blocks.to(dst_cache.device))
+    blocks = float8_as_bytes(src_cache).index_select(1, src_block_ids.to(src_cache.device, torch.long))
+    float8_as_bytes(dst_cache).index_copy_(1, dst_block_ids.to(dst_cache.device, torch.long), blocks.to(dst_cache.device))
 
 
 # Decodes run in buckets of similar context length: each bucket is gathered padded to its own

@@ -227,8 +227,9 @@ def paged_attention(
     within the last ``sliding_window`` positions if given.
 
     ``query`` ``[num_tokens, num_heads, head_dim]`` (last dim contiguous), ``kv_cache``
-    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` contiguous and of the query's
-    dtype, ``block_tables`` int32 ``[num_seqs, max_blocks]``, ``query_start_loc`` int32
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` contiguous, of the query's dtype or
+    another one the kernel converts to the query's as it loads (float8 e4m3, a float32 query's
+    bfloat16), ``block_tables`` int32 ``[num_seqs, max_blocks]``, ``query_start_loc`` int32
     ``[num_seqs + 1]``, ``seq_lens`` int32 ``[num_seqs]`` (context including the new tokens).
     Returns ``[num_tokens, num_heads, head_dim]`` in the query dtype.
 
@@ -242,7 +243,7 @@ def paged_attention(
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_seqs = seq_lens.shape[0]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-    assert kv_cache.dtype == query.dtype and kv_cache.is_contiguous() and query.stride(2) == 1
+    assert kv_cache.is_contiguous() and query.stride(2) == 1
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out

@@ -93,8 +93,8 @@ class EngineArgs:
         "auto",
         "the KV cache's dtype; auto: the model's (the torch attention backend: float32). bfloat16 halves a "
         "float32 model's cache and the bytes its decode attention reads, at bfloat16's rounding of keys and "
-        "values; fp8: float8 e4m3 with a scale of 1 (values clamped to +-448), a quarter of float32 (cpu and "
-        "torch backends; Triton keeps the model's dtype)",
+        "values; fp8: float8 e4m3 with a scale of 1 (values saturate at +-448), a quarter of float32 (on "
+        "CUDA: compute capability >= 8.9)",
         choices=KV_CACHE_DTYPES,
     )
     cpu_bf16_linear: str = flag(

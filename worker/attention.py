@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from strata.kernels import cpu_attention, cpu_kv_cache, reference
+from strata.worker.devices import FP8_MIN_CAPABILITY
 
 
 @dataclass
@@ -40,8 +41,6 @@ class AttentionBackend(Protocol):
     name: str  # "cpu" for the C kernels, whose decode steps a layer may fuse
     # Whether a step's forward can be captured in a CUDA graph: no host syncs while it runs.
     graph_capturable: bool
-    # Whether it attends over a cache of another dtype than the model's (see kv_cache_dtype).
-    any_cache_dtype: bool
 
     @staticmethod
     def cache_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -64,7 +63,6 @@ class TorchAttentionBackend:
 
     name = "torch"
     graph_capturable = False  # planning a step reads the block tables back to the host
-    any_cache_dtype = True
 
     def forward(
         self,
@@ -107,7 +105,6 @@ class CpuAttentionBackend:
 
     name = "cpu"
     graph_capturable = False  # host kernels
-    any_cache_dtype = True
 
     def __init__(self) -> None:
         if not cpu_attention.is_available():
@@ -157,7 +154,6 @@ class TritonAttentionBackend:
 
     name = "triton"
     graph_capturable = True
-    any_cache_dtype = False
 
     def __init__(self) -> None:
         # Imported here so that the torch path never needs Triton to compile anything.
@@ -177,6 +173,8 @@ class TritonAttentionBackend:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]``; returns ``[T, H, D]``."""
+        if key.dtype != kv_cache.dtype:  # rounded by torch, as the reference rounds them
+            key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
         self._kv_cache.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         return self._attention.paged_attention(
             query,
@@ -218,16 +216,22 @@ def named_cache_dtype(name: str) -> torch.dtype:
     return torch.float8_e4m3fn if name == "fp8" else getattr(torch, name)
 
 
-def kv_cache_dtype(backend: AttentionBackend, model_dtype: torch.dtype, requested: str) -> torch.dtype:
+def kv_cache_dtype(
+    backend: AttentionBackend, model_dtype: torch.dtype, requested: str, device: torch.device
+) -> torch.dtype:
     """The KV cache's dtype: ``requested`` (``--kv-cache-dtype``: a ``torch`` dtype's name, or
     ``"fp8"`` for float8 e4m3), or where that is ``"auto"`` the one ``backend`` keeps for
-    ``model_dtype``."""
+    ``model_dtype``. Every backend attends over any of them, converting as it loads; Triton
+    compiles float8 e4m3 only for GPUs of compute capability >= 8.9."""
     if requested == "auto":
         return backend.cache_dtype(model_dtype)
     dtype = named_cache_dtype(requested)
-    if dtype != model_dtype and not backend.any_cache_dtype:
-        raise ValueError(
-            f"the {backend.name} attention backend keeps the KV cache in the model's dtype ({model_dtype}); "
-            f"--kv-cache-dtype {requested} needs the cpu or torch backend"
-        )
+    if dtype == torch.float8_e4m3fn and backend.name == "triton" and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CAPABILITY:
+            raise ValueError(
+                f"--kv-cache-dtype fp8 on the triton attention backend needs a GPU of compute capability >= 8.9, "
+                f"and {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}; "
+                "--kv-cache-dtype bfloat16 or float16 runs on it"
+            )
     return dtype

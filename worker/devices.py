@@ -3,6 +3,10 @@ uses: pure functions of the configuration and the number of GPUs the process can
 
 import os
 
+# The first GPUs with FP8 tensor cores (Ada, Hopper) have compute capability 8.9; Triton compiles
+# float8 e4m3 for no earlier one.
+FP8_MIN_CAPABILITY = (8, 9)
+
 
 def rank_device(device: str, rank: int) -> str:
     """The device of ``rank`` when all ranks share one machine's visible GPUs (``--executor mp``).

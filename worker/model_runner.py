@@ -56,7 +56,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)  # Triton and graph capture use the current device
         self.dtype, reason = resolve_dtype(config.dtype, self.device)
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.cache_dtype = kv_cache_dtype(self.backend, self.dtype, config.kv_cache_dtype)
+        self.cache_dtype = kv_cache_dtype(self.backend, self.dtype, config.kv_cache_dtype, self.device)
         logger.info("rank %d: dtype %s (%s), KV cache %s", tp.rank, self.dtype, reason, self.cache_dtype)
         stage = link.stage if link is not None else WHOLE_MODEL
         self.model = load_rank_model(config, tp, self.dtype, self.backend, self.device, config.model, config.gguf_file, stage)

@@ -17,13 +17,12 @@ from pathlib import Path
 import torch
 
 from strata.kernels import reference
+from strata.worker.devices import FP8_MIN_CAPABILITY
 from strata.worker.llama import LlamaForCausalLM
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.scaled_linear import ScaledWeight
 from strata.worker.tp_layers import ColumnParallelLinear, RowParallelLinear, TensorSource
 
-# The first GPUs with FP8 tensor cores (Ada, Hopper) have compute capability 8.9.
-FP8_MIN_CAPABILITY = (8, 9)
 _CHECKPOINT_SCALES = (".weight_scale", ".input_scale")
 
 

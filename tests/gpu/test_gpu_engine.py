@@ -1,6 +1,6 @@
 """The engine on a real GPU: greedy parity with HF transformers, CUDA graphs on == off, the
-torch backend without graphs, the offload tier's CUDA side stream on == off, and a shut-down
-engine's memory handed back. Skipped where CUDA is absent (see tests/conftest.py);
+torch backend without graphs, bfloat16 and fp8 KV caches on Triton == on the torch backend, the
+offload tier's CUDA side stream on == off, and a shut-down engine's memory handed back. Skipped where CUDA is absent (see tests/conftest.py);
 ``benchmarks/gpu_proof.sh`` runs them.
 
 Every engine runs a seeded tiny random checkpoint on token-id prompts (no model package, no
@@ -92,6 +92,16 @@ def test_the_torch_backend_runs_uncaptured_and_gives_the_tokens_of_triton(tiny_m
     triton = engine_tokens(tiny_model, prompts, GREEDY, executor="uni", dtype="float32", attention_backend="triton")
     torch_backend = engine_tokens(tiny_model, prompts, GREEDY, executor="uni", dtype="float32", attention_backend="torch")
     assert torch_backend == triton
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
+def test_a_narrower_kv_cache_gives_triton_the_tokens_of_the_torch_backend_over_it(kv_cache_dtype, tiny_model, prompts):
+    """Keys and values rounded by torch as they are written, then converted by the Triton kernel
+    as it loads them (float8 e4m3 compiled for the GPU), against the reference over the same cache."""
+    args = {"executor": "uni", "dtype": "float32", "kv_cache_dtype": kv_cache_dtype}
+    triton = engine_tokens(tiny_model, prompts, GREEDY, attention_backend="triton", **args)
+    torch_backend = engine_tokens(tiny_model, prompts, GREEDY, attention_backend="torch", **args)
+    assert triton == torch_backend
 
 
 def test_a_shut_down_engine_gives_its_gpu_memory_back(tiny_model, prompts):

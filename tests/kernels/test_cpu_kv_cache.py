@@ -16,7 +16,7 @@ def test_write_matches_reference_on_strided_views_with_skips(cache_dtype):
     qkv = torch.randn(6, (4 + 2 * 2) * 16).to(torch.bfloat16)
     key, value = (t.view(6, 2, 16) for t in qkv[:, 64:].split(32, dim=1))
     slots = torch.tensor([5, -1, 0, 17, -1, 30])
-    caches = [reference.indexable(torch.zeros(2, 2, 16, 2, 16, dtype=cache_dtype)) for _ in range(2)]
+    caches = [reference.float8_as_bytes(torch.zeros(2, 2, 16, 2, 16, dtype=cache_dtype)) for _ in range(2)]
     cpu_kv_cache.write_kv_cache(key, value, caches[0].view(cache_dtype), slots)
     reference.write_kv_cache(key, value, caches[1].view(cache_dtype), slots)
     assert caches[0].equal(caches[1]) and caches[0].count_nonzero() > 0

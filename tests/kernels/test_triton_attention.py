@@ -12,7 +12,7 @@ nearest) and the kernel also rounds the softmax weights to it for the P @ V prod
 import pytest
 import torch
 
-from strata.kernels import triton_attention
+from strata.kernels import reference, triton_attention
 from paged_batches import BATCHES, LAYOUTS, forward_beside_torch_backend, make_batch
 from strata.worker.attention import TritonAttentionBackend, get_attention_backend
 
@@ -103,6 +103,21 @@ def test_triton_backend_matches_torch_backend(sliding_window):
     b = make_batch(*BATCHES["mixed"], group, head_dim, 16, torch.float32)
     caches, outs = forward_beside_torch_backend(TritonAttentionBackend(), b, sliding_window)
     torch.testing.assert_close(caches[0], caches[1], atol=0, rtol=0)
+    assert_close(outs[0], outs[1])
+
+
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [(torch.float32, torch.bfloat16), (torch.float32, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn)],
+    ids=["fp32-over-bf16", "fp32-over-fp8", "bf16-over-fp8"],
+)
+def test_triton_backend_over_a_narrower_cache_matches_torch_backend(dtype, cache_dtype):
+    """``--kv-cache-dtype``: keys and values rounded by torch as they are written, then widened
+    to the query's dtype as the kernel loads them."""
+    b = make_batch(*BATCHES["mixed"], 3, 64, 16, dtype)
+    b.kv_cache = b.kv_cache.to(cache_dtype)
+    caches, outs = forward_beside_torch_backend(TritonAttentionBackend(), b)
+    assert reference.float8_as_bytes(caches[0]).equal(reference.float8_as_bytes(caches[1]))
     assert_close(outs[0], outs[1])
 
 

@@ -22,9 +22,13 @@ def random_cache(
     return torch.randn(shape, generator=generator).to(dtype).to(DEVICE)
 
 
+def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert reference.float8_as_bytes(actual).equal(reference.float8_as_bytes(expected))
+
+
 @pytest.mark.parametrize(
     "num_kv_heads,head_dim,dtype",
-    [(1, 64, torch.float32), (3, 80, torch.bfloat16), (8, 128, torch.bfloat16)],
+    [(1, 64, torch.float32), (3, 80, torch.bfloat16), (8, 128, torch.bfloat16), (2, 64, torch.float8_e4m3fn)],
 )
 def test_write_kv_cache(num_kv_heads, head_dim, dtype):
     num_tokens = 7
@@ -39,10 +43,10 @@ def test_write_kv_cache(num_kv_heads, head_dim, dtype):
     expected = cache.clone()
     reference.write_kv_cache(key, value, expected, slot_mapping)
     triton_kv_cache.write_kv_cache(key, value, cache, slot_mapping)
-    torch.testing.assert_close(cache, expected, atol=0, rtol=0)
+    assert_same_bytes(cache, expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize(
     "src_blocks,dst_blocks,src_ids,dst_ids",
     [
@@ -60,5 +64,5 @@ def test_copy_blocks(src_blocks, dst_blocks, src_ids, dst_ids, dtype):
     expected = dst.clone()
     reference.copy_blocks(src, expected, src_ids, dst_ids)
     triton_kv_cache.copy_blocks(src, dst, src_ids, dst_ids)
-    torch.testing.assert_close(dst, expected, atol=0, rtol=0)
-    torch.testing.assert_close(src, src_before, atol=0, rtol=0)
+    assert_same_bytes(dst, expected)
+    assert_same_bytes(src, src_before)

@@ -59,13 +59,25 @@ def test_narrower_kv_caches_hold_more_blocks_in_the_same_memory(tmp_path):
 
 
 def test_auto_keeps_the_backends_own_cache_dtype():
-    assert kv_cache_dtype(TorchAttentionBackend, torch.bfloat16, "auto") == torch.float32
+    assert kv_cache_dtype(TorchAttentionBackend, torch.bfloat16, "auto", torch.device("cpu")) == torch.float32
 
 
-def test_the_triton_backend_refuses_a_cache_dtype_other_than_the_models():
-    assert kv_cache_dtype(TritonAttentionBackend, torch.bfloat16, "bfloat16") == torch.bfloat16
-    with pytest.raises(ValueError, match="triton attention backend keeps the KV cache in the model's dtype"):
-        kv_cache_dtype(TritonAttentionBackend, torch.bfloat16, "float32")
+def pretend_cuda_capability(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> torch.device:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a test GPU")
+    return torch.device("cuda:0")
+
+
+def test_an_fp8_cache_on_the_triton_backend_is_refused_below_compute_capability_8_9(monkeypatch):
+    ampere = pretend_cuda_capability(monkeypatch, (8, 0))
+    with pytest.raises(ValueError, match="fp8 on the triton attention backend needs .* a test GPU has 8.0"):
+        kv_cache_dtype(TritonAttentionBackend, torch.bfloat16, "fp8", ampere)
+    assert kv_cache_dtype(TritonAttentionBackend, torch.bfloat16, "float16", ampere) == torch.float16
+
+
+def test_an_fp8_cache_on_the_triton_backend_is_taken_from_compute_capability_8_9(monkeypatch):
+    hopper = pretend_cuda_capability(monkeypatch, (9, 0))
+    assert kv_cache_dtype(TritonAttentionBackend, torch.bfloat16, "fp8", hopper) == torch.float8_e4m3fn
 
 
 def first_token(runner: ModelRunner, prompt: list[int], params: SamplingParams) -> int:
