@@ -5,9 +5,9 @@ values written to the cache and read back by the attention of every later positi
     python -m strata.launch.bench.cache_perplexity [--kv-cache-dtypes auto,bfloat16,fp8]
         [--text FILE] [--tokens 2048] [--model ...]
 
-The text defaults to CPython's LICENSE.txt, which every Python installation has. Prints, per
-cache dtype, the perplexity of the first ``--tokens`` tokens and the mean absolute difference of
-each token's logprob from the first dtype's, with ``lscpu``'s CPU.
+The text defaults to CPython's LICENSE.txt beside the standard library (most installations have
+it). Prints, per cache dtype, the perplexity of the first ``--tokens`` tokens and the mean
+absolute difference of each token's logprob from the first dtype's, with ``lscpu``'s CPU.
 """
 
 import argparse
@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--model", help="default: the default model")
     args = parser.parse_args()
+    if not args.text.is_file():
+        parser.error(f"no text at {args.text} (some distributions leave CPython's LICENSE.txt out); pass --text FILE")
     text = args.text.read_text()
     print(CpuInfo.read().describe())
     first = None
