@@ -55,23 +55,19 @@ static inline vfloat load_lanes(const char *src, int dtype)
         memcpy(&result, &widened, sizeof result);
 #endif
     } else if (dtype == DTYPE_FLOAT8_E4M3) {
-        /* float8_e4m3_to_float, 16 codes at once; the NaN codes are the ones that widen to +-480. */
+        /* float8_e4m3_to_float, 16 codes at once. */
 #if defined(__AVX2__) && defined(__F16C__)
         const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
-        const __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7f)), 7),
-                                             _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8));
+        const __m256i magnitude = _mm256_and_si256(wide, _mm256_set1_epi16(0x7f));
+        const __m256i nan = _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(FLOAT8_E4M3_NAN));
+        const __m256i bits = _mm256_or_si256(
+            _mm256_or_si256(_mm256_slli_epi16(magnitude, 7), _mm256_slli_epi16(_mm256_xor_si256(wide, magnitude), 8)),
+            _mm256_and_si256(nan, _mm256_set1_epi16(0x7e00))); /* a float16 NaN */
 #if defined(__AVX512F__)
-        const __m512 finite = _mm512_mul_ps(_mm512_cvtph_ps(bits), _mm512_set1_ps(256.f));
-        const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_abs_ps(finite), _mm512_set1_ps(480.f), _CMP_EQ_OQ);
-        result = (vfloat)_mm512_mask_mov_ps(finite, nan, _mm512_set1_ps(NAN));
+        result = (vfloat)_mm512_mul_ps(_mm512_cvtph_ps(bits), _mm512_set1_ps(256.f));
 #else
-        const __m128i quarters[2] = {_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)};
-        __m256 halves[2];
-        for (int h = 0; h < 2; h++) {
-            const __m256 finite = _mm256_mul_ps(_mm256_cvtph_ps(quarters[h]), _mm256_set1_ps(256.f));
-            const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.f), finite);
-            halves[h] = _mm256_blendv_ps(finite, _mm256_set1_ps(NAN), _mm256_cmp_ps(magnitude, _mm256_set1_ps(480.f), _CMP_EQ_OQ));
-        }
+        const __m256 halves[2] = {_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), _mm256_set1_ps(256.f)),
+                                  _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), _mm256_set1_ps(256.f))};
         memcpy(&result, halves, sizeof result);
 #endif
 #else

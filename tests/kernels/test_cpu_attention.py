@@ -7,6 +7,7 @@ at most the ulp a float32-level difference can tip over.
 """
 
 import ctypes
+import platform
 import shutil
 
 import pytest
@@ -196,19 +197,35 @@ def test_cpu_is_the_default_backend_on_cpu():
     assert get_attention_backend(None, torch.device("cpu")).name == "cpu"
 
 
+def kernel_built_for(march: str, folder) -> ctypes.CDLL:
+    """``paged_attention.c`` alone, built for ``march`` into ``folder``."""
+    output = folder / "paged_attention.so"
+    native.compile_library("cc", native.flags_for(march), output, [native.SOURCE_DIR / "paged_attention.c"])
+    return native.declare_signatures(ctypes.CDLL(str(output)), ["paged_attention"])
+
+
 @pytest.fixture(scope="module")
 def avx2_build(tmp_path_factory):
     """The kernel built for AVX2 (``x86-64-v3``), whose vectors are pairs of registers, in place
     of this CPU's own build; on an AVX2 machine it is the same code as the native build."""
     if shutil.which("cc") is None or "avx2" not in cpu_features.cpu_flags():
         pytest.skip("needs a C compiler and a CPU with AVX2")
-    output = tmp_path_factory.mktemp("avx2") / "paged_attention.so"
-    native.compile_library("cc", native.flags_for("x86-64-v3"), output, [native.SOURCE_DIR / "paged_attention.c"])
-    library = native.declare_signatures(ctypes.CDLL(str(output)), ["paged_attention"])
-    patch = pytest.MonkeyPatch()
-    patch.setattr(native, "load_library", lambda: library)
-    yield
-    patch.undo()
+    with pytest.MonkeyPatch.context() as patch:
+        library = kernel_built_for("x86-64-v3", tmp_path_factory.mktemp("avx2"))
+        patch.setattr(native, "load_library", lambda: library)
+        yield
+
+
+@pytest.fixture(scope="module")
+def portable_build(tmp_path_factory):
+    """The kernel built for the x86-64 baseline: no AVX, the portable vector code (what other
+    architectures build) in place of this CPU's own build."""
+    if shutil.which("cc") is None or platform.machine() != "x86_64":
+        pytest.skip("needs a C compiler on x86-64")
+    with pytest.MonkeyPatch.context() as patch:
+        library = kernel_built_for("x86-64", tmp_path_factory.mktemp("portable"))
+        patch.setattr(native, "load_library", lambda: library)
+        yield
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -219,4 +236,8 @@ def test_the_avx2_build_matches_reference(avx2_build, batch, dtype):
 
 
 def test_the_avx2_build_reads_every_float8_code_exactly(avx2_build):
+    assert_every_float8_code_reads_back_exactly()
+
+
+def test_the_portable_build_reads_every_float8_code_exactly(portable_build):
     assert_every_float8_code_reads_back_exactly()
