@@ -143,6 +143,7 @@ def run(llm: LLM, workload: Workload, baseline: str | None = None) -> dict[str, 
         "executor": llm.args.executor,
         "tensor_parallel_size": llm.args.tensor_parallel_size,
         "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": llm.args.kv_cache_dtype,
         "device": llm.config.worker.device,
         "num_threads": torch.get_num_threads(),
         "input_tokens": input_tokens,
@@ -233,7 +234,8 @@ def _time_hf_generate(
 def format_result(result: dict[str, object]) -> str:
     """``run``'s figures for a person to read."""
     lines = [
-        f"engine ({result['executor']}, tp={result['tensor_parallel_size']}, {result['dtype']}): "
+        f"engine ({result['executor']}, tp={result['tensor_parallel_size']}, {result['dtype']}, "
+        f"KV cache {result['kv_cache_dtype']}): "
         f"{result['num_prompts']} requests in {result['elapsed_s']:.2f} s, {result['requests_per_s']:.2f} requests/s, "
         f"{result['output_tokens_per_s']:.1f} output tokens/s, {result['total_tokens_per_s']:.1f} total tokens/s"
     ]

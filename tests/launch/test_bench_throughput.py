@@ -82,7 +82,7 @@ def test_run_reports_consistent_figures_against_hf(llm):
     assert result["total_tokens_per_s"] == pytest.approx((input_tokens + 32) / elapsed)
     assert result["baseline_output_tokens_per_s"] == pytest.approx(32 / result["baseline_elapsed_s"])
     assert result["ratio"] == pytest.approx(result["output_tokens_per_s"] / result["baseline_output_tokens_per_s"])
-    assert (result["executor"], result["tensor_parallel_size"]) == ("uni", 1)
+    assert (result["executor"], result["tensor_parallel_size"], result["kv_cache_dtype"]) == ("uni", 1, "auto")
     assert result["dtype"] in ("bfloat16", "float32")
     assert f"engine/hf = {result['ratio']:.2f}x" in format_result(result)
 
