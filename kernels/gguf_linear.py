@@ -24,6 +24,7 @@ INTERLEAVED, INTERLEAVED_ROWS = 0x100, 16
 _INTERLEAVABLE_BLOCK_BYTES = {TYPES["Q4_0"]: 18, TYPES["Q4_1"]: 20, TYPES["Q8_0"]: 34}  # blocks of 32 values
 
 _BODIES = {
+    4: "AMX bfloat16 tiles from 16 bfloat16 rows, AVX512-VNNI int16 dot products otherwise",
     2: "AVX512-VNNI int16 dot products",
     3: "AVX-512 int16 dot products (no VNNI)",
     1: "AVX2 int16 dot products",

@@ -29,6 +29,8 @@ HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0":
 SOURCE = native.SOURCE_DIR / "gguf_linear.c"
 # Each build's -march, and the CPU flag it needs to run here.
 BUILDS = {"AVX2": ("x86-64-v3", "avx2"), "AVX512 without VNNI": ("skylake-avx512", "avx512bw"), "portable": ("x86-64", None)}
+# The loader of the kernels built for this CPU, kept before the ``body`` fixture replaces it.
+OWN_BUILD = native.load_library
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -132,6 +134,32 @@ def test_interleaved_linear_is_within_activation_rounding_of_the_dequantized_mat
     matrix = gguf_linear.QuantizedMatrix([gguf_linear.interleaved(part_of(type_name, blocks))], 512)
     out = gguf_linear.linear(x, matrix, bias)
     assert_within_activation_rounding(out - bias, x, reference_weight(type_name, blocks))
+
+
+@pytest.fixture
+def own_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels built for this CPU, whichever build the ``body`` fixture has put in place."""
+    monkeypatch.setattr(native, "load_library", OWN_BUILD)
+
+
+@pytest.mark.skipif(
+    native.load_library() is None or "AMX" not in gguf_linear.body(), reason="this CPU's kernels have no AMX body"
+)
+# One tile of rows, a partial second, two tiles and a partial third, rows past the first panel
+# (1,024 rows of 512 values); 48 rows of weights: a pair of groups and a group alone.
+@pytest.mark.parametrize("rows", [16, 17, 45, 1100])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_bfloat16_rows_on_amx_tiles_equal_the_matmul_of_the_weights_dequantized_to_bfloat16(
+    own_build: None, type_name: str, rows: int
+) -> None:
+    blocks = random_blocks(type_name, 48, 512, seed=rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    bias = torch.randn(48)
+    matrix = gguf_linear.QuantizedMatrix([gguf_linear.interleaved(part_of(type_name, blocks))], 512)
+    out = gguf_linear.linear(x, matrix, bias, out_dtype=torch.float32)
+    x64, w64 = x.double(), reference_weight(type_name, blocks).bfloat16().double()
+    error = (out.double() - bias.double() - x64 @ w64.T).abs()
+    assert (error <= 1e-5 * (x64.abs() @ w64.abs().T) + 1e-6).all()
 
 
 def test_interleaved_parts_beside_a_part_of_another_layout_fill_their_own_columns(body: str) -> None:
