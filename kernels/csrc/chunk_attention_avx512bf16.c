@@ -182,8 +182,9 @@ static void attend_item_amx(const Chunk *c, int h, int64_t x0, int n)
     float sums[TILE_ROWS][128] __attribute__((aligned(64)));
     float products[TILE_ROWS][SUB] __attribute__((aligned(64)));
     int64_t visible[TILE_ROWS], first[TILE_ROWS];
-    float running_max[TILE_ROWS], denominator[TILE_ROWS];
-    int64_t start = INT64_MAX, end = 0;
+    float running_max[TILE_ROWS];
+    vfloat denominator[TILE_ROWS];
+    int64_t start = INT64_MAX, end = 0, latest_first = 0, earliest_visible = INT64_MAX;
     for (int r = 0; r < TILE_ROWS; r++) {
         const int64_t x = x0 + (r < n ? r : n - 1); /* a partial item repeats its last vector */
         const int64_t token = x / group, head = (int64_t)h * group + x % group;
@@ -192,10 +193,12 @@ static void attend_item_amx(const Chunk *c, int h, int64_t x0, int n)
         visible[r] = c->context - c->rows + token + 1;
         first[r] = c->sliding_window && visible[r] > c->sliding_window ? visible[r] - c->sliding_window : 0;
         running_max[r] = -INFINITY;
-        denominator[r] = 0.f;
+        denominator[r] = (vfloat){0};
         memset(sums[r], 0, sizeof(float) * head_dim);
         start = first[r] < start ? first[r] : start;
         end = visible[r] > end ? visible[r] : end;
+        latest_first = first[r] > latest_first ? first[r] : latest_first;
+        earliest_visible = visible[r] < earliest_visible ? visible[r] : earliest_visible;
     }
     for (int64_t tile = start / TILE * TILE; tile < end; tile += TILE) {
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -211,31 +214,36 @@ static void attend_item_amx(const Chunk *c, int h, int64_t x0, int n)
         _tile_stored(1, scores[1], 64);
         _tile_stored(2, scores[2], 64);
         _tile_stored(3, scores[3], 64);
+        /* Most tiles lie wholly inside every row's view: those skip the masks. */
+        const int masked = tile < latest_first || tile + TILE > earliest_visible;
         for (int r = 0; r < TILE_ROWS; r++) {
-            vfloat tile_scores[TILE / SUB];
-            float tile_max = -INFINITY;
+            vfloat tile_scores[TILE / SUB], lane_max = (vfloat){0} - INFINITY;
             for (int s = 0; s < TILE / SUB; s++) {
-                const vint position = LANE_INDEX + (int)(tile + s * SUB);
-                const vint seen = (position < (int)visible[r]) & (position >= (int)first[r]);
                 vfloat row;
                 memcpy(&row, scores[s][r], sizeof row);
-                tile_scores[s] = select_lanes(seen, row * c->scale, (vfloat){0} - INFINITY);
-                const float m = max_of_lanes(tile_scores[s]);
-                tile_max = m > tile_max ? m : tile_max;
+                tile_scores[s] = row * c->scale;
+                if (masked) {
+                    const vint position = LANE_INDEX + (int)(tile + s * SUB);
+                    const vint seen = (position < (int)visible[r]) & (position >= (int)first[r]);
+                    tile_scores[s] = select_lanes(seen, tile_scores[s], (vfloat){0} - INFINITY);
+                }
+                lane_max = (vfloat)_mm512_max_ps((__m512)lane_max, (__m512)tile_scores[s]);
             }
+            const float tile_max = max_of_lanes(lane_max);
             if (tile_max == -INFINITY) { /* nothing of this tile is seen by this vector */
                 memset(weights[r], 0, sizeof weights[r]);
                 continue;
             }
             const float new_max = tile_max > running_max[r] ? tile_max : running_max[r];
             const float correction = softmax_rescale(running_max[r], new_max);
-            float sum = 0.f;
+            vfloat sum = {0};
             for (int s = 0; s < TILE / SUB; s++) {
                 const vfloat p = exp_lanes(tile_scores[s] - new_max);
-                sum += sum_of_lanes(p);
+                sum += p;
                 const __m256bh rounded = _mm512_cvtneps_pbh((__m512)p);
                 memcpy(weights[r] + s * SUB, &rounded, sizeof rounded);
             }
+            /* the denominators add lane by lane, reduced once at the end */
             denominator[r] = denominator[r] * correction + sum;
             running_max[r] = new_max;
             if (correction != 1.f)
@@ -257,7 +265,7 @@ static void attend_item_amx(const Chunk *c, int h, int64_t x0, int n)
     }
     for (int r = 0; r < n; r++) {
         const int64_t x = x0 + r, token = x / group, head = (int64_t)h * group + x % group;
-        const float inverse = 1.f / denominator[r];
+        const float inverse = 1.f / sum_of_lanes(denominator[r]);
         for (int d = 0; d < head_dim; d += LANES)
             _mm512_storeu_ps(sums[r] + d, _mm512_mul_ps(_mm512_loadu_ps(sums[r] + d), _mm512_set1_ps(inverse)));
         store_row(sums[r], DTYPE_BFLOAT16, (char *)(c->out + (token * c->num_heads + head) * head_dim), head_dim);
