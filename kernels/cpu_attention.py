@@ -27,6 +27,20 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) 
     )
 
 
+_CHUNK_BODIES = {2: "AMX tiles", 1: "AVX512-BF16 dot products"}
+
+
+def chunk_body(dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
+    """How ``chunk_attention`` computes a long chunk of ``dtype`` queries over a ``cache_dtype``
+    cache (head sizes 64 and 128; float32 arithmetic for other sizes), for the start-up log."""
+    library = native.load_library()
+    if library is None:
+        return "torch (no C kernels)"
+    if dtype == cache_dtype == torch.bfloat16 and library.chunk_attention_bf16_body():
+        return _CHUNK_BODIES[library.chunk_attention_bf16_body()]
+    return "float32 arithmetic"
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -144,7 +158,7 @@ def chunk_attention(
         num_blocks, block_size, num_kv_heads, head_dim, blocks.data_ptr(), rows, context, num_heads,
         sliding_window or 0, scale, out.data_ptr(), torch.get_num_threads(),
     )
-    if query.dtype == kv_cache.dtype == torch.bfloat16 and library.chunk_attention_bf16_available():
+    if query.dtype == kv_cache.dtype == torch.bfloat16 and library.chunk_attention_bf16_body():
         status = library.chunk_attention_bf16(query.data_ptr(), query.stride(0), query.stride(1), kv_cache.data_ptr(), *common)
         if status == 0:
             return True

@@ -45,7 +45,7 @@ _SIGNATURES = {
         + [_ptr, _i32],
         _i32,
     ),
-    "chunk_attention_bf16_available": ([], _i32),
+    "chunk_attention_bf16_body": ([], _i32),
     "chunk_attention_bf16": (
         [_ptr, _i64, _i64, _ptr, _i64, _i32, _i32, _i32, _ptr, _i64, _i64, _i32, _i32, ctypes.c_float, _ptr, _i32],
         _i32,

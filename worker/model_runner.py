@@ -13,6 +13,7 @@ from transformers import AutoConfig
 
 from strata.connector.offloading_worker import OffloadingConnectorWorker
 from strata.engine_core.protocol import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput, pack_tokens, unpack_tokens
+from strata.kernels import cpu_attention
 from strata.worker.attention import AttentionBackend, AttentionMetadata, get_attention_backend, kv_cache_dtype
 from strata.worker.config import WorkerConfig
 from strata.worker.cpu_memory import check_kv_cache_fits, keep_freed_memory, move_weights_to_huge_pages, zeroed_cpu_tensor
@@ -58,6 +59,9 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.cache_dtype = kv_cache_dtype(self.backend, self.dtype, config.kv_cache_dtype, self.device)
         logger.info("rank %d: dtype %s (%s), KV cache %s", tp.rank, self.dtype, reason, self.cache_dtype)
+        if self.backend.name == "cpu":
+            chunks = cpu_attention.chunk_body(self.dtype, self.cache_dtype)
+            logger.info("rank %d: attention of long prefill chunks: %s", tp.rank, chunks)
         stage = link.stage if link is not None else WHOLE_MODEL
         self.model = load_rank_model(config, tp, self.dtype, self.backend, self.device, config.model, config.gguf_file, stage)
         self.lora = lora_slots(config, tp, self.model, self.dtype, self.device)

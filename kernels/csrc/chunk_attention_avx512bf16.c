@@ -273,7 +273,13 @@ static void attend_item_amx(const Chunk *c, int h, int64_t x0, int n)
 }
 #endif
 
-int chunk_attention_bf16_available(void) { return 1; }
+int chunk_attention_bf16_body(void)
+{
+#if defined(AMX_TILES)
+    if (amx_permitted()) return 2;
+#endif
+    return 1;
+}
 
 int chunk_attention_bf16(const uint16_t *query, int64_t query_token_stride, int64_t query_head_stride,
                          const uint16_t *kv_cache, int64_t num_blocks, int block_size, int num_kv_heads,
@@ -336,7 +342,7 @@ int chunk_attention_bf16(const uint16_t *query, int64_t query_token_stride, int6
 
 #else
 
-int chunk_attention_bf16_available(void) { return 0; }
+int chunk_attention_bf16_body(void) { return 0; }
 
 int chunk_attention_bf16(const uint16_t *query, int64_t query_token_stride, int64_t query_head_stride,
                          const uint16_t *kv_cache, int64_t num_blocks, int block_size, int num_kv_heads,

@@ -25,13 +25,14 @@ int small_batch_linear(
 int small_batch_linear_portable(
     const void *x, int x_dtype, int64_t rows, int64_t in_features, const uint16_t *weight, int64_t out_features,
     const float *bias, void *out, int out_dtype, int num_threads);
-/* A prefill chunk's attention in float32 (any query and cache dtypes), and in bfloat16 with
- * vdpbf16ps where the build has AVX512-BF16 (chunk_attention_bf16_available()). */
+/* A prefill chunk's attention in float32 (any query and cache dtypes), and in bfloat16 where
+ * the build has AVX512-BF16: chunk_attention_bf16_body() says how (0: it declines, 1: with
+ * vdpbf16ps, 2: on AMX tiles). */
 int chunk_attention(const char *query, int64_t query_token_stride, int64_t query_head_stride, int dtype,
                     const char *kv_cache, int cache_dtype, int64_t num_blocks, int block_size, int num_kv_heads,
                     int head_dim, const int32_t *blocks, int64_t rows, int64_t context, int num_heads,
                     int sliding_window, float scale, char *out, int num_threads);
-int chunk_attention_bf16_available(void);
+int chunk_attention_bf16_body(void);
 int chunk_attention_bf16(const uint16_t *query, int64_t query_token_stride, int64_t query_head_stride,
                          const uint16_t *kv_cache, int64_t num_blocks, int block_size, int num_kv_heads,
                          int head_dim, const int32_t *blocks, int64_t rows, int64_t context, int num_heads,

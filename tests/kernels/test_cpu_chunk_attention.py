@@ -1,7 +1,7 @@
 """The chunk attention (``kernels.cpu_attention.chunk_attention``) equals float64 attention on
 the same values within what its roundings allow, in each build this CPU runs: the kernels' own
-(``vdpbf16ps`` for bfloat16 where the CPU has AVX512-BF16, float32 arithmetic otherwise) and an
-AVX2 build (float32 arithmetic whatever the dtypes).
+(for bfloat16, AMX tiles where the CPU has AMX, ``vdpbf16ps`` where it has AVX512-BF16, float32
+arithmetic otherwise) and an AVX2 build (float32 arithmetic whatever the dtypes).
 
 In bfloat16 the scores are exact products summed in float32; the bfloat16 kernel rounds the
 probabilities to bfloat16 (relative error at most 2^-9 each, so the weighted sum of values moves by
@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from strata.kernels import cpu_attention, native
+from strata.kernels import cpu_attention, cpu_features, native
 
 BLOCK_SIZE = 16
 AVX2 = "x86-64-v3"
@@ -34,8 +34,8 @@ def build(request, tmp_path_factory) -> None:
         pytest.skip("no C compiler")
     output = tmp_path_factory.mktemp("chunk-builds") / "chunk-avx2.so"
     native.compile_library("cc", native.flags_for(AVX2), output, SOURCES)
-    library = native.declare_signatures(ctypes.CDLL(str(output)), ["chunk_attention", "chunk_attention_bf16_available"])
-    assert not library.chunk_attention_bf16_available()
+    library = native.declare_signatures(ctypes.CDLL(str(output)), ["chunk_attention", "chunk_attention_bf16_body"])
+    assert library.chunk_attention_bf16_body() == 0
     patch = pytest.MonkeyPatch()
     patch.setattr(native, "load_library", lambda: library)
     yield
@@ -138,3 +138,15 @@ def test_chunks_the_kernel_does_not_take_are_left_untouched(build, what):
     out = torch.zeros(64, 4, head_dim, dtype=torch.float32 if what == "output-dtype" else torch.bfloat16)
     assert not cpu_attention.chunk_attention(query, cache, blocks, 64, 0.125, out)
     assert out.eq(0).all()
+
+
+def test_the_logged_body_for_long_chunks_follows_the_build_and_the_cpus_flags(build, request) -> None:
+    flags = cpu_features.cpu_flags()
+    expected = (
+        "float32 arithmetic" if request.node.callspec.params["build"] == AVX2
+        else "AMX tiles" if {"amx_tile", "amx_bf16"} <= flags
+        else "AVX512-BF16 dot products" if "avx512_bf16" in flags
+        else "float32 arithmetic"
+    )
+    assert cpu_attention.chunk_body(torch.bfloat16, torch.bfloat16) == expected
+    assert cpu_attention.chunk_body(torch.bfloat16, torch.float8_e4m3fn) == "float32 arithmetic"
