@@ -242,8 +242,9 @@ static inline i32x8 multiply_add_pairs(i16x16 w, i16x16 q, i32x8 add)
 int gguf_linear_body(void)
 {
 #if defined(AMX_TILES) && defined(__AVX512BF16__)
-    return 4;
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    if (amx_permitted()) return 4;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return 2;
 #elif defined(__AVX512BW__)
     return 3;
@@ -859,8 +860,9 @@ static void amx_group_rows(uint16_t *const weights[2], int pair, int64_t runs, c
     }
 }
 
-/* interleaved_matrix on AMX tiles for bfloat16 activations `x`, or 0 (nothing written) where
- * the step is too small, the kernel lacks memory or Linux refuses the tiles. Activation rows go
+/* interleaved_matrix on AMX tiles for bfloat16 activations `x`, or 0 where the step is too
+ * small, the kernel lacks memory or Linux refuses the tiles (the caller then computes every
+ * output with the int16 kernel). Activation rows go
  * AMX_PANEL_BYTES at a time (a panel stays in L2), each thread dequantizing its pairs of groups
  * once per panel. */
 static int amx_interleaved_matrix(const struct QuantizedMatrix *matrix, int64_t in_features, const uint16_t *x,
