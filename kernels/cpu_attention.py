@@ -36,9 +36,8 @@ def chunk_body(dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
     library = native.load_library()
     if library is None:
         return "torch (no C kernels)"
-    if dtype == cache_dtype == torch.bfloat16 and library.chunk_attention_bf16_body():
-        return _CHUNK_BODIES[library.chunk_attention_bf16_body()]
-    return "float32 arithmetic"
+    body = library.chunk_attention_bf16_body() if dtype == cache_dtype == torch.bfloat16 else 0
+    return _CHUNK_BODIES.get(body, "float32 arithmetic")
 
 
 def paged_attention(
