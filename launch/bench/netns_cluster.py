@@ -14,7 +14,7 @@ head's namespace: ``ip netns exec`` a command there, or ``entered`` it in this p
 namespaces, then the namespaces, and with them the links and the bridge), also when a ``with``
 block raises. The
 faults a test needs: ``kill_node`` (every process of a node), ``set_link`` (its veth down or up)
-and ``netem`` (``tc`` delay or loss on its interface).
+and ``blackhole`` (everything the node sends silently lost).
 
 Run as a script, it starts a cluster, prints how to reach it, and holds it until Ctrl-C.
 """
@@ -22,7 +22,6 @@ Run as a script, it starts a cluster, prints how to reach it, and holds it until
 import argparse
 import ctypes
 import os
-import platform
 import secrets
 import shutil
 import signal
@@ -80,23 +79,6 @@ def check_namespaces_available() -> None:
         pass
 
 
-def netem_unavailable() -> str | None:
-    """Why ``tc ... netem`` cannot be used here (no ``tc``, or a kernel without sch_netem), or None."""
-    if shutil.which("tc") is None:
-        return "no `tc` command (iproute2)"
-    with _scratch_namespace() as probe:
-        added = subprocess.run(
-            ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
-            capture_output=True, text=True,
-        )
-    if added.returncode == 0:
-        return None
-    why = added.stderr.strip()
-    if "kind is unknown" in why:  # what tc says where the kernel has no netem qdisc, built in or as a module
-        return f"this kernel ({platform.release()}) has no sch_netem, so tc cannot delay or drop packets ({why})"
-    return f"`tc qdisc add ... netem` failed: {why}"
-
-
 @contextmanager
 def _scratch_namespace() -> Iterator[str]:
     """A namespace to probe in, deleted afterwards; NamespaceError if it cannot be made."""
@@ -133,7 +115,7 @@ class NamespaceCluster:
         self._starts = [0] * len(cpus)  # each node's `ray start`s so far: a restart appends to its log
         self._made: list[str] = []  # namespaces, in the order made
         self._links_down: set[int] = set()
-        self._netem: set[int] = set()
+        self._blackholed: set[int] = set()
         self._faulted: set[int] = set()  # nodes killed or cut off, whose Ray node restore() restarts
 
     @property
@@ -251,27 +233,29 @@ class NamespaceCluster:
             self._links_down.add(node.index)
             self._faulted.add(node.index)
 
-    def netem(self, node: Node, spec: str | None) -> None:
-        """``tc qdisc ... netem SPEC`` on ``node``'s interface (e.g. "delay 2s", "loss 100%");
-        None removes it."""
+    def blackhole(self, node: Node, on: bool) -> None:
+        """Lose every packet ``node`` sends, or stop losing them. The ``blackhole`` qdisc on its
+        interface drops each packet while telling the sender it went out, as a network that
+        loses everything would (netem's "loss 100%" does the same, but not every kernel has
+        sch_netem; blackhole is built into every kernel with traffic control). Packets to the
+        node still arrive: it hears its peers, but none of its answers reach them."""
         command = ["ip", "netns", "exec", node.namespace, "tc", "qdisc"]
-        if spec is None:
-            subprocess.run([*command, "del", "dev", "eth0", "root"], check=True, capture_output=True)
-            self._netem.discard(node.index)
-        else:
-            netem = ["add", "dev", "eth0", "root", "netem", *spec.split()]
-            subprocess.run([*command, *netem], check=True, capture_output=True)
-            self._netem.add(node.index)
+        if on:
+            subprocess.run([*command, "add", "dev", "eth0", "root", "blackhole"], check=True, capture_output=True)
+            self._blackholed.add(node.index)
             self._faulted.add(node.index)
+        else:
+            subprocess.run([*command, "del", "dev", "eth0", "root"], check=True, capture_output=True)
+            self._blackholed.discard(node.index)
 
     def restore(self) -> None:
-        """Undo the faults: links up, no netem, and a fresh Ray node on every node that was
+        """Undo the faults: links up, no blackhole, and a fresh Ray node on every node that was
         killed or cut off (Ray may have declared it dead meanwhile, and then ends it). Faults
         are for the other nodes: the cluster does not outlive its head."""
         for index in list(self._links_down):
             self.set_link(self.nodes[index], up=True)
-        for index in list(self._netem):
-            self.netem(self.nodes[index], None)
+        for index in list(self._blackholed):
+            self.blackhole(self.nodes[index], on=False)
         for index in sorted(self._faulted):
             self.kill_node(self.nodes[index])
             self.start_node(self.nodes[index])
