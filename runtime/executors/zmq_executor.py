@@ -3,8 +3,8 @@
 Each step's ``SchedulerOutput`` is encoded once and pushed to every rank; every rank answers on
 one results socket. Steps may be submitted before earlier ones are collected (a
 pipeline's micro-batches); answers are gathered per step. A transfer counts as finished only
-when all ranks reported it. A rank that dies, fails or stops answering makes ``execute`` (or
-``collect``) raise ``ExecutorFailed`` naming it.
+when all ranks reported it. A rank that dies, fails or stops answering makes ``submit`` or
+``collect`` (and so ``execute``) raise ``ExecutorFailed`` naming it.
 
 Sockets bound on TCP use CurveZMQ: only this executor's workers, which get its keys in their
 configuration, can connect (``engine_core/zmq_curve.py``). IPC sockets stay plain.
@@ -153,9 +153,10 @@ class ZmqExecutor(ABC):
     def submit(self, scheduler_output: SchedulerOutput, grammar_bitmask: Callable[[], bytes] | None = None) -> None:
         """Send a step to every rank without waiting for its answers (``collect`` gathers them)."""
         started = time.perf_counter()
+        what = f"step {scheduler_output.step}"
         frame = self._encoder.encode(scheduler_output)
-        for sock in self._steps:
-            sock.send(frame, copy=False)
+        for rank in range(self.size):
+            self._push(rank, frame, what)
         self._step_bytes += len(frame)
         ipc_seconds = time.perf_counter() - started
         if scheduler_output.structured_rows:
@@ -165,9 +166,31 @@ class ZmqExecutor(ABC):
             started = time.perf_counter()
             mask_frame = self._encoder.encode(GrammarBitmask(scheduler_output.step, mask))
             for rank in self._last_stage:
-                self._steps[rank].send(mask_frame, copy=False)
+                self._push(rank, mask_frame, what)
             ipc_seconds += time.perf_counter() - started
         self._ipc_seconds += ipc_seconds
+
+    def _push(self, rank: int, frame: bytes, what: str) -> None:
+        """Send ``frame`` to ``rank``. A bound PUSH socket whose one peer has gone (its rank died,
+        or its node did) has nowhere to queue, and a plain send would wait for a new peer
+        forever: wait only while the rank lives, and no longer than the worker timeout."""
+        sock = self._steps[rank]
+        deadline = time.monotonic() + self.worker_timeout_s
+        while True:
+            try:
+                sock.send(frame, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            if sock.poll(POLL_MS, zmq.POLLOUT):
+                continue
+            if self._exited_ranks():
+                raise ExecutorFailed(self._diagnose(None, what))
+            if time.monotonic() > deadline:
+                raise ExecutorFailed(
+                    f"{self._rank_name(rank)} did not take {what} within {self.worker_timeout_s:.0f} s"
+                    f"{self._why_silent()}"
+                )
 
     def collect(self, step: int) -> ModelRunnerOutput:
         """Every rank's answer to ``step`` (submitted earlier), merged: the sampled tokens, the

@@ -42,6 +42,28 @@ def test_killed_worker_fails_requests_with_an_error_naming_the_rank():
         llm.shutdown()
 
 
+def test_worker_killed_while_the_engine_is_idle_fails_the_next_request_instead_of_hanging():
+    # The next step goes to a rank whose socket has lost its one peer: a plain send would wait
+    # for a new one forever (a pipeline's next micro-batch once hung so after a node died).
+    llm = LLM(executor="mp", dtype="float32", worker_timeout_s=30)
+    try:
+        victim = psutil.Process(worker_pids(llm)[0])
+        victim.kill()
+        while victim.is_running() and victim.status() != psutil.STATUS_ZOMBIE:  # the EngineCore reaps it
+            time.sleep(0.01)
+        time.sleep(1)  # the EngineCore's ZeroMQ thread sees the peer gone within a millisecond or so
+        outputs: list = []
+        generating = threading.Thread(target=lambda: outputs.extend(llm.generate("Hi", LONG, use_tqdm=False)), daemon=True)
+        generating.start()
+        generating.join(10)
+        assert not generating.is_alive(), "the engine is stuck sending its step to the dead rank"
+        [output] = outputs
+        assert output.outputs[0].finish_reason == "error"
+        assert "worker rank 0 died (killed by signal 9)" in output.outputs[0].error
+    finally:
+        llm.shutdown()
+
+
 def test_hung_worker_is_detected_by_the_timeout():
     llm = LLM(executor="mp", dtype="float32", worker_timeout_s=2)
     try:
