@@ -18,6 +18,9 @@
  * - Rows of several new tokens go QUERY_TILE tokens at a time, a KV head per item (several
  *   tokens' rows share each read). Where the next tile's block does not follow this one's in
  *   memory, its rows are prefetched meanwhile.
+ * With bfloat16 queries and cache on a CPU with AMX, a tile's q.k products run on AMX tiles
+ * instead (amx_dot_tile, below) and a decode walk prefetches each next tile: 64 decode rows over
+ * 400 positions 13% faster on Xeon-AMX, workload A 6%.
  * Every walk restarts its online softmax at each multiple of SEGMENT positions and joins the
  * segments in order, so a row's arithmetic is the same, in the same order, whichever item
  * computed it: a decode row gets the result a verification of draft tokens computes for the
@@ -29,6 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "amx_tiles.h"
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -47,6 +51,7 @@ typedef struct {
     const int32_t *query_start_loc, *seq_lens;
     int sliding_window; /* 0: full causal attention */
     float scale;
+    int amx; /* scores on AMX tiles (bfloat16 queries and cache, head_dim a multiple of 32, tiles granted) */
     char *out; /* [tokens, heads, head_dim], contiguous */
 } Batch;
 
@@ -105,16 +110,11 @@ static inline int64_t tile_offset(const Batch *b, int seq, int kv_head, int star
  * tiles whose scores stay under it skip finding their maximum and rescaling. */
 #define RESCALE_MARGIN 8.f
 
-/* Rows x < rows (query vectors q, each seeing positions [first[x], visible[x])) score the tile
- * of 16 positions from `start` (its key rows `keys`) into their online softmax: per row a
- * reference maximum (running_max: never more than RESCALE_MARGIN below any score seen), lane by
- * lane the sums of e^(score - that) (lane_sums) and the value rows weighted by those terms (acc,
- * not yet divided; rescaled here, added to in add_values). weights[x]: the tile's terms for
- * row x. */
-static inline __attribute__((always_inline)) void score_tile(
+/* scores[x] = the dot products of query vector q[x] with the tile's 16 key rows `keys`, for the
+ * rows x that see some of the tile's positions (from `start`: [first[x], visible[x])). */
+static inline __attribute__((always_inline)) void dot_tile(
     int start, const int rows, const int chunks, const vfloat q[rows][chunks], const int visible[rows],
-    const int first[rows], const vfloat keys[LANES][chunks], float running_max[rows], vfloat lane_sums[rows],
-    vfloat acc[rows][chunks], vfloat weights[rows])
+    const int first[rows], const vfloat keys[LANES][chunks], vfloat scores[rows])
 {
     vfloat partial[LANES];
     for (int x = 0; x < rows; x++) {
@@ -123,7 +123,23 @@ static inline __attribute__((always_inline)) void score_tile(
             partial[p] = q[x][0] * keys[p][0];
             for (int c = 1; c < chunks; c++) partial[p] += q[x][c] * keys[p][c];
         }
-        vfloat scores = sum_each(partial);
+        scores[x] = sum_each(partial);
+    }
+}
+
+/* Rows x < rows (each seeing positions [first[x], visible[x])) take the scores of the tile of 16
+ * positions from `start` into their online softmax: per row a reference maximum (running_max:
+ * never more than RESCALE_MARGIN below any score seen), lane by lane the sums of
+ * e^(score - that) (lane_sums) and the value rows weighted by those terms (acc, not yet divided;
+ * rescaled here, added to in add_values). weights[x]: the tile's terms for row x. */
+static inline __attribute__((always_inline)) void softmax_tile(
+    int start, const int rows, const int chunks, const int visible[rows], const int first[rows],
+    const vfloat tile_scores[rows], float running_max[rows], vfloat lane_sums[rows], vfloat acc[rows][chunks],
+    vfloat weights[rows])
+{
+    for (int x = 0; x < rows; x++) {
+        if (start >= visible[x] || start + LANES <= first[x]) continue;
+        vfloat scores = tile_scores[x];
         if (start + LANES > visible[x] || start < first[x]) {
             const vint in_view = (LANE_INDEX < (visible[x] - start)) & (LANE_INDEX >= (first[x] - start));
             scores = select_lanes(in_view, scores, (vfloat){0} - INFINITY);
@@ -244,6 +260,79 @@ static inline __attribute__((always_inline)) void store_head(
     store_row(result, b->query_dtype, b->out + element * dtype_size(b->query_dtype), chunks * LANES);
 }
 
+#if defined(AMX_TILES)
+/* ---- Scores on AMX tiles ---------------------------------------------------------------------
+ * With bfloat16 queries and cache (and the tiles granted), a tile's q.k products run on AMX: the
+ * first operand is the key rows of the 16 positions straight from the cache (32 dims a tile, the
+ * stride between positions as the stride between rows), the second up to 16 query vectors packed
+ * as pairs of dims, a column each. A column only meets its own KV head's keys: where a tile's
+ * columns belong to several KV heads, each KV head's product has zeros in the others' columns, and
+ * adding those exact zeros changes no sum, so a vector's scores are the same bits whichever
+ * vectors share its tile (a decode row's equal those of a verification of draft tokens). The
+ * 16 x 16 sums come out a row per position; transposed, each column becomes a vector's 16 scores,
+ * as dot_tile leaves them, scaled after the products (the queries go in as they are). */
+#define AMX_KEYS 0 /* tile numbers: the intrinsics paste them into register names */
+#define AMX_QUERIES 1
+#define AMX_SCORES 2
+enum { AMX_DIMS = 32, AMX_COLUMNS = 16, PACKED_TILE = 16 * 32 };
+
+/* Column `column` of the packed queries of a score tile whose columns span `kv_count` KV heads:
+ * the query of `head` for `token`, which belongs to the tile's KV head number `slot`. */
+static void pack_column(const Batch *b, uint16_t *packed, int slot, int column, int64_t token, int head, int dim_tiles)
+{
+    const uint16_t *q = (const uint16_t *)b->query + token * b->query_token_stride + head * b->query_head_stride;
+    for (int d = 0; d < dim_tiles * AMX_DIMS; d++)
+        packed[(slot * dim_tiles + d / AMX_DIMS) * PACKED_TILE + d % AMX_DIMS / 2 * 2 * AMX_COLUMNS + column * 2 + d % 2] = q[d];
+}
+
+/* out[n] = column n of the 16 x 16 float32 matrix `in`. */
+static inline void transpose_16x16(const float in[16][16], vfloat out[16])
+{
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(in[i]);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = (__m512)_mm512_unpacklo_pd((__m512d)t[i], (__m512d)t[i + 2]);
+        r[i + 1] = (__m512)_mm512_unpackhi_pd((__m512d)t[i], (__m512d)t[i + 2]);
+        r[i + 2] = (__m512)_mm512_unpacklo_pd((__m512d)t[i + 1], (__m512d)t[i + 3]);
+        r[i + 3] = (__m512)_mm512_unpackhi_pd((__m512d)t[i + 1], (__m512d)t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        out[j] = (vfloat)_mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+        out[j + 8] = (vfloat)_mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+/* scores[n] = the scaled dot products of packed column n (< columns) with the key rows of the
+ * tile whose first position's rows start at `keys`, KV heads kv_first .. kv_first + kv_count - 1
+ * (each `row_bytes` after the last; positions `position_bytes` apart). */
+static inline void amx_dot_tile(const Batch *b, const char *keys, int64_t position_bytes, int kv_first, int kv_count,
+                                int dim_tiles, const uint16_t *packed, int columns, vfloat scores[])
+{
+    const int64_t row_bytes = (int64_t)dim_tiles * AMX_DIMS * sizeof(uint16_t);
+    _tile_zero(AMX_SCORES);
+    for (int slot = 0; slot < kv_count; slot++)
+        for (int k = 0; k < dim_tiles; k++) {
+            _tile_loadd(AMX_KEYS, keys + (kv_first + slot) * row_bytes + k * AMX_DIMS * sizeof(uint16_t), position_bytes);
+            _tile_loadd(AMX_QUERIES, packed + (slot * dim_tiles + k) * PACKED_TILE, AMX_COLUMNS * 2 * sizeof(uint16_t));
+            _tile_dpbf16ps(AMX_SCORES, AMX_KEYS, AMX_QUERIES);
+        }
+    float sums[16][16] __attribute__((aligned(64)));
+    _tile_stored(AMX_SCORES, sums, sizeof sums[0]);
+    vfloat columns_of[16];
+    transpose_16x16(sums, columns_of);
+    for (int n = 0; n < columns; n++) scores[n] = columns_of[n] * b->scale;
+}
+#endif
+
 /* One item of new tokens: `num_tokens` of `seq` from query row `row` on, KV head `kv_head`.
  * Inlined with a constant chunk count for the common head sizes so the loops unroll. */
 static inline __attribute__((always_inline)) void attend_tile(
@@ -268,7 +357,17 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int head_dim = chunks * LANES;
     const int64_t position_bytes = (int64_t)b->num_kv_heads * head_dim * dtype_size(b->cache_dtype);
     const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
-    vfloat keys[LANES][chunks], values[LANES][chunks], weights[rows];
+    vfloat keys[LANES][chunks], values[LANES][chunks], weights[rows], scores[rows];
+#if defined(AMX_TILES)
+    const int dim_tiles = head_dim / AMX_DIMS, column_tiles = (rows + AMX_COLUMNS - 1) / AMX_COLUMNS;
+    uint16_t packed[b->amx ? column_tiles * dim_tiles * PACKED_TILE : 1];
+    if (b->amx) {
+        memset(packed, 0, sizeof packed);
+        for (int x = 0; x < rows; x++)
+            pack_column(b, packed + x / AMX_COLUMNS * dim_tiles * PACKED_TILE, 0, x % AMX_COLUMNS, row + x / group,
+                        kv_head * group + x % group, dim_tiles);
+    }
+#endif
     /* Row 0 (the item's first token) has the earliest window; tiles stay LANES-aligned. */
     const int walk_start = first[0] / LANES * LANES;
     for (int start = walk_start; start < last_visible; start += LANES) {
@@ -288,8 +387,19 @@ static inline __attribute__((always_inline)) void attend_tile(
                     __builtin_prefetch(b->values + next_offset + p * position_bytes + line);
                 }
         }
-        load_tile(b->keys + offset, position_bytes, len, b->cache_dtype, chunks, keys);
-        score_tile(start, rows, chunks, q, visible, first, keys, running_max, lane_sums, acc, weights);
+#if defined(AMX_TILES)
+        if (b->amx) {
+            for (int x = 0; x < rows; x += AMX_COLUMNS)
+                amx_dot_tile(b, b->keys + offset, position_bytes, 0, 1, dim_tiles,
+                             packed + x / AMX_COLUMNS * dim_tiles * PACKED_TILE,
+                             rows - x < AMX_COLUMNS ? rows - x : AMX_COLUMNS, scores + x);
+        } else
+#endif
+        {
+            load_tile(b->keys + offset, position_bytes, len, b->cache_dtype, chunks, keys);
+            dot_tile(start, rows, chunks, q, visible, first, keys, scores);
+        }
+        softmax_tile(start, rows, chunks, visible, first, scores, running_max, lane_sums, acc, weights);
         load_tile(b->values + offset, position_bytes, len, b->cache_dtype, chunks, values);
         add_values(start, rows, chunks, visible, first, values, weights, acc);
     }
@@ -300,9 +410,7 @@ static inline __attribute__((always_inline)) void attend_tile(
 
 /* tile[h][p] = KV head h's row at position p of the tile whose rows start at `rows`, for the
  * `len` positions in the context (zero past them), loaded position by position: a position's
- * rows of every KV head lie side by side, so the tile is read front to back. With `ahead` >= 0,
- * each position's keys and values of the tile `ahead` bytes into the cache are prefetched as
- * its rows are loaded. */
+ * rows of every KV head lie side by side, so the tile is read front to back. */
 static inline __attribute__((always_inline)) void load_positions(
     const Batch *b, const char *rows, int len, int64_t ahead, const int chunks,
     vfloat tile[b->num_kv_heads][LANES][chunks])
@@ -349,24 +457,57 @@ static inline __attribute__((always_inline)) void attend_decode_row(
     const int kv_heads = b->num_kv_heads, head_dim = chunks * LANES;
     const size_t cache_item = dtype_size(b->cache_dtype);
     const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
-    vfloat tile_rows[kv_heads][LANES][chunks], weights[heads];
+    const int64_t position_bytes = (int64_t)kv_heads * head_dim * cache_item;
+    vfloat tile_rows[kv_heads][LANES][chunks], weights[heads], scores[heads];
+#if defined(AMX_TILES)
+    /* Score tiles of whole groups: kv_per_tile KV heads' query vectors each. */
+    const int dim_tiles = head_dim / AMX_DIMS, kv_per_tile = AMX_COLUMNS / group;
+    const int column_tiles = (kv_heads + kv_per_tile - 1) / kv_per_tile;
+    uint16_t packed[b->amx ? column_tiles * kv_per_tile * dim_tiles * PACKED_TILE : 1];
+    if (b->amx) {
+        memset(packed, 0, sizeof packed);
+        for (int h = 0; h < heads; h++) {
+            const int t = h / group / kv_per_tile;
+            pack_column(b, packed + t * kv_per_tile * dim_tiles * PACKED_TILE, h / group % kv_per_tile,
+                        h - t * kv_per_tile * group, row, h, dim_tiles);
+        }
+    }
+#endif
     for (int tile = from; tile < to; tile += LANES) {
         if (tile % SEGMENT == 0 && tile != from)
             close_segment(heads, chunks, running_max, lane_sums, acc, total_max, total_denominator, total_acc);
         const int len = to - tile < LANES ? to - tile : LANES;
         const int64_t offset = tile_offset(b, seq, 0, tile, head_dim) * cache_item;
         /* Where the next tile's block does not follow this one's, its rows are fetched as this
-         * tile's keys are loaded. */
+         * tile's keys are loaded. With scores on AMX every next tile's rows are fetched, as this
+         * tile's values are loaded: there the walk reads 12-20% faster for it (Xeon-AMX), and
+         * only Intel CPUs have AMX (on EPYC-Zen4 prefetching a contiguous walk cost 11-15%). */
         const int next = tile + LANES, next_block = next / b->block_size, this_block = tile / b->block_size;
         const int jump = next < to && next_block != this_block && blocks[next_block] != blocks[this_block] + 1;
-        const int64_t ahead = jump ? tile_offset(b, seq, 0, next, head_dim) * (int64_t)cache_item : -1;
-        load_positions(b, b->keys + offset, len, ahead, chunks, tile_rows);
+        const int64_t ahead = next < to ? tile_offset(b, seq, 0, next, head_dim) * (int64_t)cache_item : -1;
+#if defined(AMX_TILES)
+        if (b->amx) {
+            for (int t = 0; t < column_tiles; t++) {
+                const int kv_first = t * kv_per_tile;
+                const int kv_count = kv_heads - kv_first < kv_per_tile ? kv_heads - kv_first : kv_per_tile;
+                amx_dot_tile(b, b->keys + offset, position_bytes, kv_first, kv_count, dim_tiles,
+                             packed + t * kv_per_tile * dim_tiles * PACKED_TILE, kv_count * group,
+                             scores + kv_first * group);
+            }
+        } else
+#endif
+        {
+            load_positions(b, b->keys + offset, len, jump ? ahead : -1, chunks, tile_rows);
+            for (int kv_head = 0; kv_head < kv_heads; kv_head++)
+                dot_tile(tile, group, chunks, q + kv_head * group, visible, first, tile_rows[kv_head],
+                         scores + kv_head * group);
+        }
         for (int kv_head = 0; kv_head < kv_heads; kv_head++) {
             const int h = kv_head * group;
-            score_tile(tile, group, chunks, q + h, visible, first, tile_rows[kv_head], running_max + h, lane_sums + h,
-                       acc + h, weights + h);
+            softmax_tile(tile, group, chunks, visible, first, scores + h, running_max + h, lane_sums + h, acc + h,
+                         weights + h);
         }
-        load_positions(b, b->values + offset, len, -1, chunks, tile_rows);
+        load_positions(b, b->values + offset, len, b->amx ? ahead : -1, chunks, tile_rows);
         for (int kv_head = 0; kv_head < kv_heads; kv_head++) {
             const int h = kv_head * group;
             add_values(tile, group, chunks, visible, first, tile_rows[kv_head], weights + h, acc + h);
@@ -500,6 +641,10 @@ int paged_attention(
         .num_kv_heads = num_kv_heads, .block_tables = block_tables, .block_table_stride = block_table_stride,
         .query_start_loc = query_start_loc, .seq_lens = seq_lens, .sliding_window = sliding_window,
         .scale = scale, .out = out,
+#if defined(AMX_TILES)
+        .amx = cache_dtype == DTYPE_BFLOAT16 && query_dtype == DTYPE_BFLOAT16 && head_dim % AMX_DIMS == 0
+               && amx_permitted(),
+#endif
     };
     int decode_rows = 0;
     for (int s = 0; s < num_seqs; s++) decode_rows += query_start_loc[s + 1] - query_start_loc[s] == 1;
@@ -518,6 +663,9 @@ int paged_attention(
     list_work(&batch, num_seqs, long_chunk_tokens, whole_rows, &work);
 #pragma omp parallel num_threads(num_threads)
     {
+#if defined(AMX_TILES)
+        if (batch.amx) configure_tiles();
+#endif
 #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < work.num_items; i++) {
             const struct Item item = work.items[i];
@@ -536,6 +684,9 @@ int paged_attention(
             join_partials(&batch, split.row, partials + split.first_partial * partial_floats(num_heads, head_dim),
                           split.segments, head_dim);
         }
+#if defined(AMX_TILES)
+        if (batch.amx) _tile_release();
+#endif
     }
     free(work.items);
     free(work.split_rows);

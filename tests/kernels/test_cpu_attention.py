@@ -72,13 +72,14 @@ def test_scores_that_rise_far_above_the_running_maximum_match_reference(dtype):
     torch.testing.assert_close(run_kernel(b), b.reference(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("sliding_window", [None, 20])
-def test_decode_rows_walked_whole_equal_them_split_by_segment(sliding_window):
+def test_decode_rows_walked_whole_equal_them_split_by_segment(sliding_window, dtype):
     """Eight decode rows are enough for 2 threads to walk each row's context whole, and too few
     for 8 threads, which split each row into an item per 64 positions and join their softmaxes
     after: the results match the reference and each other bit for bit (a verification of draft
-    tokens relies on it)."""
-    b = make_batch([1] * 8, [300, 17, 129, 64, 1, 40, 250, 33], 3, 64, 16, torch.float32)
+    tokens relies on it). In bfloat16 on a CPU with AMX the scores run on tiles."""
+    b = make_batch([1] * 8, [300, 17, 129, 64, 1, 40, 250, 33], 3, 64, 16, dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -91,12 +92,14 @@ def test_decode_rows_walked_whole_equal_them_split_by_segment(sliding_window):
     assert torch.equal(whole, split)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("sliding_window", [None, 100])
-def test_a_decode_row_equals_its_position_among_several_new_tokens(sliding_window):
+def test_a_decode_row_equals_its_position_among_several_new_tokens(sliding_window, dtype):
     """Four new tokens over 300 positions (a verification of three draft tokens) attend as one
     item per KV head; each token alone as a decode row at its position, split by segment, gets
-    the same result bit for bit: every walk joins the same segments in the same order."""
-    b = make_batch([4], [300], 3, 64, 16, torch.float32)
+    the same result bit for bit: every walk joins the same segments in the same order, and on
+    AMX (bfloat16) a query vector's scores do not depend on the vectors sharing its tile."""
+    b = make_batch([4], [300], 3, 64, 16, dtype)
     together = run_kernel(b, sliding_window)
     one_row = torch.tensor([0, 1], dtype=torch.int32)
     for token in range(4):
@@ -105,6 +108,15 @@ def test_a_decode_row_equals_its_position_among_several_new_tokens(sliding_windo
             torch.tensor([297 + token], dtype=torch.int32), b.scale, sliding_window=sliding_window,
         )
         assert torch.equal(alone[0], together[token])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [12, 16])
+def test_decode_rows_with_more_query_heads_than_a_score_tile_holds_match_reference(group, dtype):
+    """24 or 32 query heads over 2 KV heads: on AMX a decode row's scores take a tile per KV head
+    (16 columns at most), and a verification's rows of one KV head several tiles."""
+    b = make_batch(*LONG_BATCH, group, 64, 16, dtype)
+    assert_close(run_kernel(b), b.reference())
 
 
 def test_sliding_window_skips_blocks_behind_every_window():
@@ -226,6 +238,24 @@ def portable_build(tmp_path_factory):
         library = kernel_built_for("x86-64", tmp_path_factory.mktemp("portable"))
         patch.setattr(native, "load_library", lambda: library)
         yield
+
+
+@pytest.fixture(scope="module")
+def avx512_build(tmp_path_factory):
+    """The kernel built for AVX-512 without AVX512-BF16 or AMX (``icelake-server``): on a CPU with
+    AMX, the bfloat16 scores that CPUs without it compute in vectors."""
+    if shutil.which("cc") is None or not {"avx512f", "avx512bw", "avx512vl"} <= cpu_features.cpu_flags():
+        pytest.skip("needs a C compiler and a CPU with AVX-512 (F, BW, VL)")
+    with pytest.MonkeyPatch.context() as patch:
+        library = kernel_built_for("icelake-server", tmp_path_factory.mktemp("avx512"))
+        patch.setattr(native, "load_library", lambda: library)
+        yield
+
+
+@pytest.mark.parametrize("batch", [BATCHES["mixed"], LONG_BATCH], ids=["mixed", "long"])
+def test_the_avx512_build_without_amx_matches_reference_in_bfloat16(avx512_build, batch):
+    b = make_batch(*batch, 3, 64, 16, torch.bfloat16)
+    assert_close(run_kernel(b), b.reference())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
