@@ -981,29 +981,11 @@ static inline __attribute__((optimize("fp-contract=off"))) vfloat half_run_value
     return scale * u + run->offset[h];
 }
 
-/* `value` rounded to `dtype` at `out` (16 elements). */
-static inline void store_lanes(vfloat value, int dtype, char *out)
-{
-    if (dtype == DTYPE_FLOAT32) {
-        memcpy(out, &value, sizeof value);
-    } else if (dtype == DTYPE_BFLOAT16) {
-        vbits bits;
-        memcpy(&bits, &value, sizeof bits);
-        const vbits rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16; /* to nearest even, as torch */
-        const vhalfbits narrowed = __builtin_convertvector(rounded, vhalfbits);
-        memcpy(out, &narrowed, sizeof narrowed);
-    } else {
-        const vhalf narrowed = __builtin_convertvector(value, vhalf);
-        memcpy(out, &narrowed, sizeof narrowed);
-    }
-}
-
 /* out = the float values of `rows` rows of `cols` values each, stored as `type` blocks, rounded
  * to `out_dtype`: exactly ggml's float32 dequantization (half_run_values). With `ids`, out's row
  * n is stored row ids[n] (an embedding lookup), else stored row n; `stored_rows` rows are
  * stored, and an id outside [0, stored_rows) returns GGUF_ROW_OUT_OF_RANGE before anything is
- * written (checked here: a lookup's few ids cost a torch reduction more than the decode). The
- * weights hold no NaN (bfloat16 rounding here does not keep one quiet, unlike dtypes.h's). */
+ * written (checked here: a lookup's few ids cost a torch reduction more than the decode). */
 int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, const int64_t *ids,
                     int64_t stored_rows, void *out, int out_dtype, int num_threads)
 {

@@ -1,6 +1,7 @@
 /* Writing new keys and values into the paged cache, and copying blocks between caches, on the
  * CPU (kernels/reference.py's write_kv_cache and copy_blocks, tested against them). */
 #include <stdint.h>
+#include <string.h>
 
 #include "kernels.h"
 #include "dtypes.h"
@@ -20,6 +21,11 @@ int write_kv_cache(const void *key, int64_t key_stride, const void *value, int64
         const int64_t slot = slot_mapping[t];
         if (slot == -1) continue;
         if (slot < 0 || slot >= num_slots) return -1;
+        if (dtype == cache_dtype) {
+            memcpy(keys + slot * row_width * cache_item, (const char *)key + t * key_stride * item, row_width * item);
+            memcpy(values + slot * row_width * cache_item, (const char *)value + t * value_stride * item, row_width * item);
+            continue;
+        }
         load_row((const char *)key + t * key_stride * item, dtype, row, row_width);
         store_row(row, cache_dtype, keys + slot * row_width * cache_item, row_width);
         load_row((const char *)value + t * value_stride * item, dtype, row, row_width);

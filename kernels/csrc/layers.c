@@ -11,33 +11,38 @@
 /* Below this many elements a call runs on one thread: waking the others costs more. */
 enum { PARALLEL_MIN_ELEMENTS = 1 << 16 };
 
+/* Lanes [16 * c, 16 * c + 16) of a row of `width` hold this many of its elements. */
+static inline int lanes_in(int c, int width) { return width - c * LANES < LANES ? width - c * LANES : LANES; }
+
 /* For each of `rows` rows of `width`: when `residual` is given, residual = x + residual
  * (rounded to dtype, written in place) and that sum is normalised; out = weight * norm(sum). */
 void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int width, int dtype,
               float eps, int num_threads)
 {
     const size_t item = dtype_size(dtype);
-#pragma omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t r = 0; r < rows; r++) {
-        float sum[width], w[width];
-        load_row((const char *)x + r * width * item, dtype, sum, width);
-        if (residual) {
-            char *res = (char *)residual + r * width * item;
-            float previous[width];
-            load_row(res, dtype, previous, width);
-            for (int i = 0; i < width; i++) sum[i] += previous[i];
-            round_row(sum, dtype, width);
-            store_row(sum, dtype, res, width);
+    const int chunks = (width + LANES - 1) / LANES;
+#pragma omp parallel num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+    {
+        vfloat w[chunks];
+        for (int c = 0; c < chunks; c++) w[c] = load_first_lanes((const char *)weight + c * LANES * item, dtype, lanes_in(c, width));
+#pragma omp for
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t row = r * width * item;
+            vfloat sum[chunks], squares = {0};
+            for (int c = 0; c < chunks; c++) {
+                const int64_t at = row + c * LANES * item;
+                sum[c] = load_first_lanes((const char *)x + at, dtype, lanes_in(c, width));
+                if (residual) {
+                    sum[c] = round_lanes(sum[c] + load_first_lanes((char *)residual + at, dtype, lanes_in(c, width)), dtype);
+                    store_first_lanes(sum[c], dtype, (char *)residual + at, lanes_in(c, width));
+                }
+                squares += sum[c] * sum[c];
+            }
+            const float inverse_rms = 1.f / sqrtf(sum_of_lanes(squares) / width + eps);
+            for (int c = 0; c < chunks; c++)
+                store_first_lanes(round_lanes(sum[c] * inverse_rms, dtype) * w[c], dtype,
+                                  (char *)out + row + c * LANES * item, lanes_in(c, width));
         }
-        float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-        for (int i = 0; i < width; i++) squares += sum[i] * sum[i];
-        const float inverse_rms = 1.f / sqrtf(squares / width + eps);
-        for (int i = 0; i < width; i++) sum[i] *= inverse_rms;
-        round_row(sum, dtype, width);
-        load_row(weight, dtype, w, width);
-        for (int i = 0; i < width; i++) sum[i] *= w[i];
-        store_row(sum, dtype, (char *)out + r * width * item, width);
     }
 }
 
@@ -48,21 +53,20 @@ void rotary_embedding(void *x, int64_t row_stride, int64_t rows, int heads, int 
                       const float *cos, const float *sin, int num_threads)
 {
     const size_t item = dtype_size(dtype);
-    const int half = head_dim / 2;
+    const int half = head_dim / 2, chunks = (half + LANES - 1) / LANES;
 #pragma omp parallel for num_threads(num_threads) if (rows * heads * head_dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos + r * half, *s = sin + r * half;
-        for (int h = 0; h < heads; h++) {
-            char *head = (char *)x + (r * row_stride + (int64_t)h * head_dim) * item;
-            float first[half], second[half], rotated_first[half], rotated_second[half];
-            load_row(head, dtype, first, half);
-            load_row(head + half * item, dtype, second, half);
-            for (int i = 0; i < half; i++) {
-                rotated_first[i] = first[i] * c[i] - second[i] * s[i];
-                rotated_second[i] = second[i] * c[i] + first[i] * s[i];
+        for (int c = 0; c < chunks; c++) {
+            const int n = lanes_in(c, half);
+            const vfloat cosine = load_first_lanes((const char *)(cos + r * half + c * LANES), DTYPE_FLOAT32, n);
+            const vfloat sine = load_first_lanes((const char *)(sin + r * half + c * LANES), DTYPE_FLOAT32, n);
+            for (int h = 0; h < heads; h++) {
+                char *first = (char *)x + (r * row_stride + (int64_t)h * head_dim + c * LANES) * item;
+                char *second = first + half * item;
+                const vfloat a = load_first_lanes(first, dtype, n), b = load_first_lanes(second, dtype, n);
+                store_first_lanes(a * cosine - b * sine, dtype, first, n);
+                store_first_lanes(b * cosine + a * sine, dtype, second, n);
             }
-            store_row(rotated_first, dtype, head, half);
-            store_row(rotated_second, dtype, head + half * item, half);
         }
     }
 }
@@ -72,23 +76,17 @@ void rotary_embedding(void *x, int64_t row_stride, int64_t rows, int heads, int 
 void silu_and_mul(const void *gate_up, void *out, int64_t rows, int width, int dtype, int num_threads)
 {
     const size_t item = dtype_size(dtype);
-    const int padded = (width + LANES - 1) / LANES * LANES;
+    const int chunks = (width + LANES - 1) / LANES;
 #pragma omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
-        float gate[padded], up[width];
-        const char *row = (const char *)gate_up + r * 2 * width * item;
-        load_row(row, dtype, gate, width);
-        load_row(row + width * item, dtype, up, width);
-        for (int i = width; i < padded; i++) gate[i] = 0.f;
-        for (int i = 0; i < padded; i += LANES) {
-            vfloat g;
-            memcpy(&g, gate + i, sizeof g);
-            g = g / (1.f + exp_lanes(-g));
-            memcpy(gate + i, &g, sizeof g);
+        const char *gate = (const char *)gate_up + r * 2 * width * item, *up = gate + width * item;
+        for (int c = 0; c < chunks; c++) {
+            const int n = lanes_in(c, width);
+            const vfloat g = load_first_lanes(gate + c * LANES * item, dtype, n);
+            const vfloat silu = round_lanes(g / (1.f + exp_lanes(-g)), dtype);
+            store_first_lanes(silu * load_first_lanes(up + c * LANES * item, dtype, n), dtype,
+                              (char *)out + (r * width + c * LANES) * item, n);
         }
-        round_row(gate, dtype, width);
-        for (int i = 0; i < width; i++) gate[i] *= up[i];
-        store_row(gate, dtype, (char *)out + r * width * item, width);
     }
 }
 

@@ -89,6 +89,63 @@ static inline vfloat load_lanes(const char *src, int dtype)
     return result;
 }
 
+/* `value` rounded to `dtype` (float32, bfloat16 or float16) as float32 lanes, as storing and
+ * reloading it would leave it. */
+static inline vfloat round_lanes(vfloat value, int dtype)
+{
+    if (dtype == DTYPE_BFLOAT16) {
+        vbits bits;
+        memcpy(&bits, &value, sizeof bits);
+        /* To nearest even, as torch rounds; a NaN stays a (quiet) NaN. */
+        const vbits rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+        const vbits nan = (vbits)((bits & 0x7fffffffu) > 0x7f800000u);
+        bits = (rounded & ~nan) | ((bits | 0x400000u) & 0xffff0000u & nan);
+        memcpy(&value, &bits, sizeof value);
+    } else if (dtype == DTYPE_FLOAT16) {
+        value = __builtin_convertvector(__builtin_convertvector(value, vhalf), vfloat);
+    }
+    return value;
+}
+
+/* `value` rounded to `dtype` (float32, bfloat16 or float16) at `out` (16 elements). */
+static inline void store_lanes(vfloat value, int dtype, char *out)
+{
+    if (dtype == DTYPE_FLOAT32) {
+        memcpy(out, &value, sizeof value);
+    } else if (dtype == DTYPE_BFLOAT16) {
+        vbits bits;
+        const vfloat rounded = round_lanes(value, dtype);
+        memcpy(&bits, &rounded, sizeof bits);
+        const vhalfbits narrowed = __builtin_convertvector(bits >> 16, vhalfbits);
+        memcpy(out, &narrowed, sizeof narrowed);
+    } else {
+        const vhalf narrowed = __builtin_convertvector(value, vhalf);
+        memcpy(out, &narrowed, sizeof narrowed);
+    }
+}
+
+/* The first `n` (<= 16) elements of `dtype` at `src` as float32 lanes, zero past them: the last,
+ * partial 16 of a row. */
+static inline vfloat load_first_lanes(const char *src, int dtype, int n)
+{
+    if (n == LANES) return load_lanes(src, dtype);
+    char padded[LANES * sizeof(float)] = {0};
+    memcpy(padded, src, n * dtype_size(dtype));
+    return load_lanes(padded, dtype);
+}
+
+/* The first `n` (<= 16) lanes of `value`, rounded to `dtype`, at `out`. */
+static inline void store_first_lanes(vfloat value, int dtype, char *out, int n)
+{
+    if (n == LANES) {
+        store_lanes(value, dtype, out);
+        return;
+    }
+    char padded[LANES * sizeof(float)];
+    store_lanes(value, dtype, padded);
+    memcpy(out, padded, n * dtype_size(dtype));
+}
+
 /* e^r for |r| <= ln(2) / 2, its Taylor series to r^7. */
 static inline vfloat exp_near_zero(vfloat r)
 {

@@ -25,10 +25,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", TOLERANCES, ids=IDS)
 @pytest.mark.parametrize("rows", [1, 200], ids=["one_row", "threaded"])
-def test_rms_norm_with_residual_matches_torch(dtype, rows):
+@pytest.mark.parametrize("width", [576, 100], ids=["lanes", "ragged"])
+def test_rms_norm_with_residual_matches_torch(dtype, rows, width):
     torch.manual_seed(0)
-    x, residual = (torch.randn(rows, 576).to(dtype) for _ in range(2))
-    weight = torch.rand(576).to(dtype)
+    x, residual = (torch.randn(rows, width).to(dtype) for _ in range(2))
+    weight = torch.rand(width).to(dtype)
     expected, expected_sum = rms_norm(x, residual, weight, 1e-5)
     out, new_residual = cpu_layers.rms_norm(x, residual.clone(), weight, 1e-5)
     assert_close(new_residual, expected_sum)
