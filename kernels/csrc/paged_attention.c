@@ -276,7 +276,7 @@ static inline __attribute__((always_inline)) void store_head(
 #define AMX_SCORES 2
 enum { AMX_DIMS = 32, AMX_COLUMNS = 16, PACKED_TILE = 16 * 32 };
 
-/* Column `column` of the packed queries of a score tile whose columns span `kv_count` KV heads:
+/* Column `column` of a score tile's packed queries (`packed`: a tile per KV head and 32 dims):
  * the query of `head` for `token`, which belongs to the tile's KV head number `slot`. */
 static void pack_column(const Batch *b, uint16_t *packed, int slot, int column, int64_t token, int head, int dim_tiles)
 {
@@ -410,7 +410,9 @@ static inline __attribute__((always_inline)) void attend_tile(
 
 /* tile[h][p] = KV head h's row at position p of the tile whose rows start at `rows`, for the
  * `len` positions in the context (zero past them), loaded position by position: a position's
- * rows of every KV head lie side by side, so the tile is read front to back. */
+ * rows of every KV head lie side by side, so the tile is read front to back. With `ahead` >= 0,
+ * each position's keys and values of the tile `ahead` bytes into the cache are prefetched as
+ * its rows are loaded. */
 static inline __attribute__((always_inline)) void load_positions(
     const Batch *b, const char *rows, int len, int64_t ahead, const int chunks,
     vfloat tile[b->num_kv_heads][LANES][chunks])
