@@ -58,7 +58,7 @@ from strata.launch.server.responses_protocol import (
     TextFormat,
     StreamEvent,
 )
-from strata.launch.server.streams import ChoiceParser, EngineRun, Job, ParsedChoice, answer
+from strata.launch.server.streams import ChoiceParser, EngineRun, Job, ParsedChoice, answer, sse
 from strata.launch.server.tool_parsers import CallDelta
 
 # Request fields chat takes under the same name and meaning.
@@ -398,4 +398,4 @@ def _item_status(completion: CompletionOutput) -> str:
 
 def _frame(event: StreamEvent) -> bytes:
     """One server-sent event, named by its type as OpenAI names them."""
-    return f"event: {event.type}\ndata: {event.model_dump_json()}\n\n".encode()
+    return sse(event, event=event.type)

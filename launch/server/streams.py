@@ -287,9 +287,20 @@ class EventStream(StreamingResponse):
             await self._events.aclose()
 
 
-def sse(model: BaseModel) -> bytes:
-    """One server-sent event whose data is ``model`` as JSON."""
-    return b"data: " + model.model_dump_json().encode() + b"\n\n"
+# JSON strings may hold U+0085, U+2028 and U+2029 unescaped, but line readers that split as
+# str.splitlines does (httpx's iter_lines among them) end a line at each: a generated text
+# holding one would cut its event in two. Escaped, every event's data stays one line.
+_RAW_LINE_BREAKS = tuple((char.encode(), f"\\u{ord(char):04x}".encode()) for char in "\u0085\u2028\u2029")
+
+
+def sse(model: BaseModel, event: str | None = None) -> bytes:
+    """One server-sent event whose data is ``model`` as JSON on one line, named ``event`` if
+    given."""
+    data = model.model_dump_json().encode()
+    for raw, escaped in _RAW_LINE_BREAKS:
+        data = data.replace(raw, escaped)
+    name = b"" if event is None else b"event: " + event.encode() + b"\n"
+    return name + b"data: " + data + b"\n\n"
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -1,5 +1,6 @@
 """The official ``openai`` client against ``strata serve``, changing nothing but the base URL."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -144,6 +145,17 @@ def test_echo_puts_the_prompt_before_each_choice(client, model, stream):
 def test_echo_of_token_ids_is_their_text(client, model):
     response = client.completions.create(model=model, prompt=[504, 3458], max_tokens=2, temperature=0, echo=True)
     assert response.choices[0].text.startswith(AutoTokenizer.from_pretrained(resolve_model_path(None)).decode([504, 3458]))
+
+
+def test_a_streamed_text_holding_unicode_line_separators_keeps_each_event_on_one_line(server, model):
+    prompt = "one\u2028two\u2029three\u0085four"
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=300) as response:
+        # iter_lines splits as str.splitlines does: at U+2028, U+2029 and U+0085 too.
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert "".join(choice["text"] for chunk in chunks for choice in chunk["choices"]).startswith(prompt)
 
 
 def test_max_completion_tokens_bounds_a_chat_reply(client, model):
