@@ -21,8 +21,11 @@ import ipaddress
 import json
 import math
 import random
+import re
 import time
 import urllib.parse
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import httpx
@@ -216,17 +219,15 @@ async def _request(
                 if response.status_code != 200:
                     sample.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')}"
                     return sample
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[len("data: "):])
-                    if "error" in event:
-                        sample.error = event["error"]["message"]
-                        return sample
-                    if event["choices"] and not sample.ttft:
-                        sample.ttft = time.perf_counter() - sent
-                    if event.get("usage"):
-                        sample.output_tokens = event["usage"]["completion_tokens"]
+                async with aclosing(stream_events(response)) as events:
+                    async for event in events:
+                        if "error" in event:
+                            sample.error = event["error"]["message"]
+                            return sample
+                        if event["choices"] and not sample.ttft:
+                            sample.ttft = time.perf_counter() - sent
+                        if event.get("usage"):
+                            sample.output_tokens = event["usage"]["completion_tokens"]
         except httpx.HTTPError as error:
             sample.error = f"{type(error).__name__}: {error}"
             return sample
@@ -235,6 +236,21 @@ async def _request(
             sample.error = "the stream ended without a usage chunk"
         return sample
 
+
+# Where server-sent events end a line (CR, LF or CRLF), and nowhere else: httpx's aiter_lines
+# also splits at U+0085, U+2028 and U+2029, which a JSON string may carry raw (vLLM's server sends
+# them so), and would cut such an event in two.
+_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+async def stream_events(response: httpx.Response) -> AsyncIterator[dict]:
+    """The JSON data of each event of a streamed OpenAI response, up to its ``[DONE]``."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = _SSE_LINE_END.split(pending + text)
+        for line in lines:
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[len("data: "):])
 
 def _summarize(load: Load, model: str, samples: list[_Sample], elapsed: float) -> dict:
     done = [sample for sample in samples if sample.error is None]

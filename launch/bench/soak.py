@@ -17,12 +17,13 @@ import random
 import signal
 import sys
 import time
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 
 import httpx
 import psutil
 
-from strata.launch.bench.serve import _WORDS
+from strata.launch.bench.serve import _WORDS, stream_events
 from strata.launch.bench.server_process import ServerProcess, free_port, strata_serve_command
 
 KINDS = ("stream", "chat", "abort", "disconnect", "bad")
@@ -148,15 +149,13 @@ async def _send(client: httpx.AsyncClient, rng: random.Random, kind: str, prompt
             _expect_ok(response, kind, tally)
             return
         events = 0
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                tally.unexpected.append(f"{kind}: error event {event['error']}")
-            events += 1
-            if leave_after is not None and events >= leave_after:
-                return  # leaving the block closes the connection: the server aborts the request
+        async with aclosing(stream_events(response)) as stream:
+            async for event in stream:
+                if "error" in event:
+                    tally.unexpected.append(f"{kind}: error event {event['error']}")
+                events += 1
+                if leave_after is not None and events >= leave_after:
+                    return  # leaving the block closes the connection: the server aborts the request
         tally.output_tokens += events
 
 
