@@ -252,6 +252,7 @@ async def stream_events(response: httpx.Response) -> AsyncIterator[dict]:
             if line.startswith("data: ") and line != "data: [DONE]":
                 yield json.loads(line[len("data: "):])
 
+
 def _summarize(load: Load, model: str, samples: list[_Sample], elapsed: float) -> dict:
     done = [sample for sample in samples if sample.error is None]
     output_tokens = sum(sample.output_tokens for sample in done)

@@ -41,7 +41,6 @@ def test_an_unknown_structured_load_is_refused():
         Load(structured="xml")
 
 
-
 class Pieces(httpx.AsyncByteStream):
     """A response body arriving in fixed-size pieces."""
 
