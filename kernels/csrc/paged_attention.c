@@ -11,10 +11,13 @@
  *   each block's keys and values whole, front to back: one KV head's rows alone are a quarter to
  *   a half of each position's bytes, and such a strided walk reads at half the bandwidth of a
  *   contiguous one (Xeon-AVX512, 2 threads: 13 against 24-27 GB/s).
- * - With fewer decode rows, each one is split into an item per SEGMENT positions of its context,
- *   walked the same way, whose partial softmaxes are joined in order once all are done: a single
- *   sequence then keeps every thread busy reading whole blocks (an item per KV head, the strided
- *   walk, left one of two threads idle a third of the time with three KV heads).
+ * - With fewer decode rows, each one is split into an item per thread, each a run of whole
+ *   SEGMENTs of its context walked the same way and leaving a partial softmax per segment, which
+ *   are joined in order once all are done: a single sequence then keeps every thread busy
+ *   reading whole blocks (an item per KV head, the strided walk, left one of two threads idle a
+ *   third of the time with three KV heads). A run rather than an item per segment: each item
+ *   packs its queries again and starts its walk with nothing prefetched (one row over 1,000
+ *   positions 15-20% slower so, Xeon-AMX).
  * - Rows of several new tokens go QUERY_TILE tokens at a time, a KV head per item (several
  *   tokens' rows share each read). Where the next tile's block does not follow this one's in
  *   memory, its rows are prefetched meanwhile.
@@ -436,10 +439,21 @@ static inline __attribute__((always_inline)) void load_positions(
  * denominator, then every head's undivided acc (head_dim floats each). */
 static int64_t partial_floats(int heads, int head_dim) { return (int64_t)heads * (head_dim + 2); }
 
+/* Heads' partial softmax (max, denominator, undivided acc) into `partial`, as partial_floats lays
+ * it out. */
+static inline __attribute__((always_inline)) void store_partial(
+    const int heads, const int chunks, const float max[heads], const float denominator[heads],
+    const vfloat acc[heads][chunks], float *partial)
+{
+    memcpy(partial, max, sizeof(float) * heads);
+    memcpy(partial + heads, denominator, sizeof(float) * heads);
+    memcpy(partial + 2 * heads, acc, sizeof(vfloat) * heads * chunks);
+}
+
 /* A decode item: the new token of `seq` (query row `row`) over its context's tiles from `from`
  * (LANES-aligned) up to position `to`, all its heads, the tiles' KV heads one after another,
- * joining segments as it goes. The result goes to the output; or, for an item of one segment
- * of a split row, undivided into `partial` (partial_floats of them). */
+ * joining segments as it goes. The result goes to the output; or, for an item of a split row,
+ * each segment's undivided into `partial` on (partial_floats of them a segment). */
 static inline __attribute__((always_inline)) void attend_decode_row(
     const Batch *b, int seq, int64_t row, int from, int to, float *partial, const int chunks)
 {
@@ -476,8 +490,14 @@ static inline __attribute__((always_inline)) void attend_decode_row(
     }
 #endif
     for (int tile = from; tile < to; tile += LANES) {
-        if (tile % SEGMENT == 0 && tile != from)
+        if (tile % SEGMENT == 0 && tile != from) {
             close_segment(heads, chunks, running_max, lane_sums, acc, total_max, total_denominator, total_acc);
+            if (partial) { /* each segment its own partial, joined in order by join_partials */
+                store_partial(heads, chunks, total_max, total_denominator, total_acc, partial);
+                partial += partial_floats(heads, head_dim);
+                empty_softmax(heads, chunks, total_max, total_denominator, total_acc);
+            }
+        }
         const int len = to - tile < LANES ? to - tile : LANES;
         const int64_t offset = tile_offset(b, seq, 0, tile, head_dim) * cache_item;
         /* Where the next tile's block does not follow this one's, its rows are fetched as this
@@ -520,9 +540,7 @@ static inline __attribute__((always_inline)) void attend_decode_row(
         for (int h = 0; h < heads; h++) store_head(b, row, h, chunks, total_acc[h], total_denominator[h]);
         return;
     }
-    memcpy(partial, total_max, sizeof total_max);
-    memcpy(partial + heads, total_denominator, sizeof total_denominator);
-    memcpy(partial + 2 * heads, total_acc, sizeof total_acc);
+    store_partial(heads, chunks, total_max, total_denominator, total_acc, partial);
 }
 
 /* A split decode row's output (query row `row`): its `segments` partials from `partials` on,
@@ -562,13 +580,14 @@ static void attend_decode_item(const Batch *b, int seq, int64_t row, int from, i
 
 /* An item of the work list: up to QUERY_TILE new tokens of `seq` from query row `row` (fewer at
  * the sequence's end) with KV head `kv_head`; or (kv_head -1) the decode row `row` of `seq` over
- * positions [from, to), leaving partial softmax number `partial` (-1: the output itself). */
+ * positions [from, to), leaving its segments' partial softmaxes from number `partial` on (-1:
+ * the output itself). */
 struct Item {
     int32_t seq, kv_head, from, to;
     int64_t row, partial;
 };
 
-/* A decode row split into `segments` items, whose partials start at number `first_partial`. */
+/* A decode row split into items leaving `segments` partials, from number `first_partial` on. */
 struct SplitRow {
     int64_t row, first_partial;
     int32_t segments;
@@ -582,8 +601,9 @@ struct WorkList {
 };
 
 /* Fills `work`'s arrays, or with them NULL only counts; decode rows whole where `whole_rows`,
- * else split by segment. */
-static void list_work(const Batch *b, int num_seqs, int long_chunk_tokens, int whole_rows, struct WorkList *work)
+ * else each split into up to `num_threads` runs of whole segments. */
+static void list_work(const Batch *b, int num_seqs, int long_chunk_tokens, int whole_rows, int num_threads,
+                      struct WorkList *work)
 {
     work->num_items = work->num_split_rows = work->num_partials = 0;
     for (int s = 0; s < num_seqs; s++) {
@@ -603,10 +623,16 @@ static void list_work(const Batch *b, int num_seqs, int long_chunk_tokens, int w
             continue;
         }
         const int64_t first_partial = work->num_partials;
-        for (int from = first, to; from < last; from = to, work->num_items++, work->num_partials++) {
-            to = (from / SEGMENT + 1) * SEGMENT < last ? (from / SEGMENT + 1) * SEGMENT : last;
-            if (work->items) work->items[work->num_items] = (struct Item){s, -1, from, to, start_row, work->num_partials};
+        const int first_segment = first / SEGMENT, segments = (last - 1) / SEGMENT - first_segment + 1;
+        for (int t = 0; t < num_threads; t++) {
+            const int begin = t * segments / num_threads, end = (t + 1) * segments / num_threads;
+            if (begin == end) continue;
+            const int from = begin ? (first_segment + begin) * SEGMENT : first;
+            const int to = (first_segment + end) * SEGMENT < last ? (first_segment + end) * SEGMENT : last;
+            if (work->items) work->items[work->num_items] = (struct Item){s, -1, from, to, start_row, first_partial + begin};
+            work->num_items++;
         }
+        work->num_partials += segments;
         if (work->split_rows)
             work->split_rows[work->num_split_rows] =
                 (struct SplitRow){start_row, first_partial, (int32_t)(work->num_partials - first_partial)};
@@ -652,7 +678,7 @@ int paged_attention(
     for (int s = 0; s < num_seqs; s++) decode_rows += query_start_loc[s + 1] - query_start_loc[s] == 1;
     const int whole_rows = decode_rows >= ROWS_PER_THREAD * num_threads;
     struct WorkList work = {0};
-    list_work(&batch, num_seqs, long_chunk_tokens, whole_rows, &work);
+    list_work(&batch, num_seqs, long_chunk_tokens, whole_rows, num_threads, &work);
     work.items = malloc(sizeof *work.items * (work.num_items + 1));
     work.split_rows = malloc(sizeof *work.split_rows * (work.num_split_rows + 1));
     float *partials = malloc(sizeof *partials * (work.num_partials * partial_floats(num_heads, head_dim) + 1));
@@ -662,7 +688,7 @@ int paged_attention(
         free(partials);
         return -1;
     }
-    list_work(&batch, num_seqs, long_chunk_tokens, whole_rows, &work);
+    list_work(&batch, num_seqs, long_chunk_tokens, whole_rows, num_threads, &work);
 #pragma omp parallel num_threads(num_threads)
     {
 #if defined(AMX_TILES)

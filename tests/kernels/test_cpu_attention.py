@@ -76,20 +76,28 @@ def test_scores_that_rise_far_above_the_running_maximum_match_reference(dtype):
 @pytest.mark.parametrize("sliding_window", [None, 20])
 def test_decode_rows_walked_whole_equal_them_split_by_segment(sliding_window, dtype):
     """Eight decode rows are enough for 2 threads to walk each row's context whole, and too few
-    for 8 threads, which split each row into an item per 64 positions and join their softmaxes
-    after: the results match the reference and each other bit for bit (a verification of draft
-    tokens relies on it). In bfloat16 on a CPU with AMX the scores run on tiles."""
+    for 8 threads, which split each row into a run of 64-position segments per thread (here
+    mostly one segment each) and join the segments' softmaxes after; the first row alone, on 2
+    threads, splits into two runs of several segments. The results match the reference and each
+    other bit for bit (a verification of draft tokens relies on it). In bfloat16 on a CPU with
+    AMX the scores run on tiles."""
     b = make_batch([1] * 8, [300, 17, 129, 64, 1, 40, 250, 33], 3, 64, 16, dtype)
+    meta = b.meta
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         whole = run_kernel(b, sliding_window)
+        first_alone = cpu_attention.paged_attention(
+            b.query[:1], b.kv_cache, meta.block_tables[:1], meta.query_start_loc[:2], meta.seq_lens[:1], b.scale,
+            sliding_window=sliding_window,
+        )
         torch.set_num_threads(8)
         split = run_kernel(b, sliding_window)
     finally:
         torch.set_num_threads(threads)
     assert_close(whole, b.reference(sliding_window=sliding_window))
     assert torch.equal(whole, split)
+    assert torch.equal(whole[:1], first_alone)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
