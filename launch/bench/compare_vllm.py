@@ -10,8 +10,10 @@ same file with ``--quantization none``), vLLM-CPU once per ``--vllm-dtypes`` ent
 (``vllm-bfloat16``, ``vllm-float32``) on the converted HF directory, from its own environment
 (``--vllm-python``, made by ``../shared/peers/setup_vllm_cpu.sh``), and ``llama.cpp`` on the
 GGUF file through llama-cpp-python (``--llama-cpp-python``: an environment where it was built
-from source, ``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python``), 2 threads, its
-own batched decoding for many prompts. Each is loaded in its own process
+from source, ``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python``; on a CPU with AMX
+add ``-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'`` and the same
+``CMAKE_CXX_FLAGS``: 0.3.36's AMX buffer type crashes in ``llama_decode`` on the default model's
+file there), 2 threads, its own batched decoding for many prompts. Each is loaded in its own process
 (``compare_vllm_driver.py``), runs every workload, and stops before the next one loads: an idle
 vLLM engine wakes about 1,300 times a second (its processes' context switches), and held beside
 a strata engine it cut strata's long workload by 6% (29.6 -> 27.9 tokens/s on Xeon-AVX512) while
