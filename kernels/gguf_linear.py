@@ -174,7 +174,8 @@ def dequantize_rows(part: QuantizedPart, in_features: int, out: torch.Tensor) ->
 def lookup(part: QuantizedPart, in_features: int, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The float values of ``part``'s rows ``ids`` (int64, any shape; each in ``[0, rows)``),
     ``[*ids.shape, in_features]`` in ``dtype``: an embedding lookup on blocks, either layout."""
-    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    one_dim = ids.dim() == 1 and ids.dtype == torch.int64 and ids.is_contiguous()  # a step's token ids
+    flat = ids if one_dim else ids.reshape(-1).to(torch.int64).contiguous()
     if dtype not in native.DTYPE_CODES:
         raise ValueError(f"lookup needs a float dtype of {', '.join(map(str, native.DTYPE_CODES))}, got {dtype}")
     out = torch.empty(flat.numel(), in_features, dtype=dtype)
@@ -185,7 +186,7 @@ def lookup(part: QuantizedPart, in_features: int, ids: torch.Tensor, dtype: torc
     if status == _ROW_OUT_OF_RANGE:
         raise IndexError(f"row ids must lie in [0, {part.rows})")
     _raise_for(status)
-    return out.view(*ids.shape, in_features)
+    return out if one_dim else out.view(*ids.shape, in_features)
 
 
 def _raise_for(status: int) -> None:

@@ -183,5 +183,8 @@ def _stable_seed(request_id: str) -> int:
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``array`` as a tensor on ``device``, copied without waiting for the copy where the device allows."""
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+    """``array`` as a tensor on ``device``, copied without waiting for the copy where the device allows.
+    On the CPU, the array's own memory: each torch call skipped here saves tens of microseconds of
+    a decode step, whose weights have just pushed torch's code and data out of the caches."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)

@@ -352,7 +352,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the full vocabulary, on every rank."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> None:
         """Fill every parameter from ``(checkpoint name, full tensor)`` pairs, each rank taking its shard.

@@ -191,7 +191,7 @@ class ModelRunner:
             words = np.frombuffer(grammar_bitmask(), dtype=np.int32).reshape(len(meta.grammar_rows), -1).copy()
             meta.grammar_bitmask = self._to_device(words)
         tokens, logprobs = sample(logits, meta)
-        sampled = tokens.cpu().numpy()
+        sampled = (tokens if tokens.device.type == "cpu" else tokens.cpu()).numpy()
         produced: dict[int, list[int]] = {}
         if layout is not None:
             produced = layout.verify(sampled, drafts)

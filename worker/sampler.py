@@ -58,7 +58,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, 
     """Pick one token per row of ``logits`` ``[B, V]``. Returns the token ids ``[B]`` and,
     for rows that asked, the logprobs of the model's raw distribution."""
     raw = logits
-    logits = logits.float()
+    logits = logits if logits.dtype == torch.float32 else logits.float()
     if meta.repetition_penalty is not None:
         logits = _apply_penalties(logits, meta)
     if meta.banned_tokens or meta.logit_bias or meta.grammar_rows is not None:

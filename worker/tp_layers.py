@@ -325,7 +325,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = cpu_linear.small_batch_linear(hidden, self.streamed.weight, out_dtype=self.weight.dtype)
         else:
             logits = _gemm(hidden.to(self.weight.dtype), self.weight, None, self.packed)
-        return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
+        logits = self.tp.all_gather_last_dim(logits)
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
 
     def plan_cpu_(self, gemm_dtype: torch.dtype, stream_rows: int, pack: bool) -> None:
         """Stream steps of up to ``stream_rows`` rows; hold the weight for the GEMM in
