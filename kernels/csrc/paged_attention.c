@@ -17,7 +17,7 @@
  *   reading whole blocks (an item per KV head, the strided walk, left one of two threads idle a
  *   third of the time with three KV heads). A run rather than an item per segment: each item
  *   packs its queries again and starts its walk with nothing prefetched (one row over 1,000
- *   positions 15-20% slower so, Xeon-AMX).
+ *   positions 17-32% slower so, timed in C alone on Xeon-AMX).
  * - Rows of several new tokens go QUERY_TILE tokens at a time, a KV head per item (several
  *   tokens' rows share each read). Where the next tile's block does not follow this one's in
  *   memory, its rows are prefetched meanwhile.
