@@ -36,6 +36,19 @@ def test_rms_norm_with_residual_matches_torch(dtype, rows, width):
     assert_close(out, expected)
 
 
+def test_rms_norm_rounds_subnormal_residual_sums_as_torch_does():
+    # AVX512-BF16's conversion flushes subnormals to zero; vectors holding one must round as torch.
+    torch.manual_seed(0)
+    tiny = torch.finfo(torch.float32).tiny
+    x, residual = ((torch.randn(3, 576) * tiny / 8).bfloat16() for _ in range(2))
+    x[0] = torch.randn(576).bfloat16()  # normal sums, whole vectors of them
+    x[1, ::7] = torch.randn(83).bfloat16()  # normal and subnormal sums in each vector
+    expected = x + residual
+    assert expected[2].abs().max() < tiny and expected[2].ne(0).sum() > 500
+    _, new_residual = cpu_layers.rms_norm(x, residual, torch.rand(576).bfloat16(), 1e-6)
+    assert torch.equal(new_residual, expected)
+
+
 def test_rms_norm_adds_into_the_residual_in_place():
     x, residual = torch.ones(2, 32), torch.full((2, 32), 2.0)
     _, new_residual = cpu_layers.rms_norm(x, residual, torch.ones(32), 1e-6)
