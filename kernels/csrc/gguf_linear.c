@@ -705,12 +705,7 @@ static void interleaved_group(
          * chunk's outputs (a cache line each, rows apart) spent a tenth of the kernel waiting. */
         f32x16 group_bias = {0};
         if (bias) memcpy(&group_bias, bias, sizeof group_bias);
-        for (int r = 0; r < count; r++) {
-            float lanes[GROUP];
-            const f32x16 biased = acc[r] + group_bias;
-            memcpy(lanes, &biased, sizeof lanes);
-            store_row(lanes, out_dtype, out + (row + r) * out_stride * item, GROUP);
-        }
+        for (int r = 0; r < count; r++) store_lanes((vfloat)(acc[r] + group_bias), out_dtype, out + (row + r) * out_stride * item);
     }
 }
 
@@ -859,7 +854,7 @@ static void amx_group_rows(uint16_t *const weights[2], int pair, int64_t runs, c
                  * the caches: each row gets 64 bytes at a time, too scattered for the write-allocate
                  * reads to be hidden (64 rows 5.1-5.5 -> 3.8-4.1 ms, workload A +2%, Xeon-AMX). */
                 if (out_dtype == DTYPE_FLOAT32 && ((uintptr_t)to & 63) == 0) _mm512_stream_ps((float *)to, (__m512)lanes);
-                else store_row((const float *)&lanes, out_dtype, to, GROUP);
+                else store_lanes((vfloat)lanes, out_dtype, to);
             }
         }
     }
