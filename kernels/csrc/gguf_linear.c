@@ -740,6 +740,59 @@ static void interleaved_matrix(
     }
 }
 
+#if defined(__AVX512BW__)
+/* Pair p of a group's run (`run`: its scales, then its values) for all 16 rows at once: lane l of
+ * even and odd holds row l's values 2p and 2p + 1, w = d u (Q8_0), d (u - 8) (Q4_0), d u + m
+ * (Q4_1), one rounding per operation as in half_run_values (the explicitly rounded operations
+ * are never fused into a multiply-add). */
+static inline __attribute__((always_inline)) void interleaved_pair_values(int base, const uint8_t *run, int p,
+                                                                           __m512 *even, __m512 *odd)
+{
+    enum { ROUNDING = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC };
+    const uint8_t *values = run + scale_bytes(base);
+    __m512i pairs; /* lane l: row l's values 2p (low 16 bits) and 2p + 1 (high), as int16 */
+    if (base == GGML_Q8_0) {
+        pairs = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(values + 32 * p)));
+    } else {
+        const __m512i words = _mm512_loadu_si512(values + 64 * (p / 4));
+        pairs = _mm512_and_si512(_mm512_srli_epi16(words, 4 * (p % 4)), _mm512_set1_epi16(0xF));
+    }
+    __m512 u[2] = {_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16)),
+                   _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 16))};
+    const __m512 d = (__m512)halves_to_floats(run);
+    for (int h = 0; h < 2; h++) {
+        if (base == GGML_Q4_0) u[h] = _mm512_sub_round_ps(u[h], _mm512_set1_ps(8.f), ROUNDING);
+        u[h] = _mm512_mul_round_ps(d, u[h], ROUNDING);
+        if (base == GGML_Q4_1) u[h] = _mm512_add_round_ps(u[h], (__m512)halves_to_floats(run + 2 * GROUP), ROUNDING);
+    }
+    *even = u[0];
+    *odd = u[1];
+}
+
+/* The `rows` rows of an interleaved Q4_0, Q4_1 or Q8_0 part, row-major in `out_dtype`: each
+ * group's run dequantized for its 16 rows at once and transposed, where gathering one row's
+ * values from the interleaved bytes took most of a prefill step's dequantization. */
+static void dequantize_interleaved(int base, const uint8_t *data, int64_t rows, int64_t cols, char *out,
+                                   int out_dtype, int num_threads)
+{
+    const int64_t runs = cols / RUN, run_bytes = GROUP * block_bytes(base);
+    const size_t item = dtype_size(out_dtype);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < rows / GROUP; g++)
+        for (int64_t k = 0; k < runs; k++) {
+            __m512 values[RUN]; /* values[v], lane l: row l's value v of the run */
+            for (int p = 0; p < RUN / 2; p++)
+                interleaved_pair_values(base, data + (g * runs + k) * run_bytes, p, &values[2 * p], &values[2 * p + 1]);
+            vfloat row_values[2][GROUP];
+            transpose_16x16(values, row_values[0]);
+            transpose_16x16(values + LANES, row_values[1]);
+            for (int l = 0; l < GROUP; l++)
+                for (int h = 0; h < 2; h++)
+                    store_lanes(row_values[h][l], out_dtype, out + ((g * GROUP + l) * cols + k * RUN + h * LANES) * item);
+        }
+}
+#endif
+
 /* ---- Q4_0, Q4_1 and Q8_0 interleaved rows on AMX tiles (bfloat16 activations) -------------
  * Where the CPU has AMX, a step of at least AMX_MIN_ROWS bfloat16 rows multiplies on tiles:
  * each group's run is dequantized to bfloat16 (exactly gguf_dequantize's values, rounded as
@@ -773,39 +826,15 @@ static inline __m512i interleave_bfloat16(__m512 even, __m512 odd)
     return _mm512_permutexvar_epi16(order, joined);
 }
 
-/* A group's runs as bfloat16, a tile each (pair p of run k at tiles + (16 k + p) 32): w = d u
- * (Q8_0), d (u - 8) (Q4_0), d u + m (Q4_1), one rounding per operation as in half_run_values. */
-static __attribute__((optimize("fp-contract=off"))) void dequantize_group(
-    int base, const uint8_t *group, int64_t runs, uint16_t *tiles)
+/* A group's runs as bfloat16, a tile each (pair p of run k at tiles + (16 k + p) 32). */
+static void dequantize_group(int base, const uint8_t *group, int64_t runs, uint16_t *tiles)
 {
-    const int64_t run_bytes = GROUP * block_bytes(base);
-    for (int64_t k = 0; k < runs; k++) {
-        const uint8_t *run = group + k * run_bytes, *values = run + scale_bytes(base);
-        const __m512 d = (__m512)halves_to_floats(run);
-        const __m512 m = base == GGML_Q4_1 ? (__m512)halves_to_floats(run + 2 * GROUP) : _mm512_setzero_ps();
+    for (int64_t k = 0; k < runs; k++)
         for (int p = 0; p < RUN / 2; p++) {
-            __m512i pairs; /* lane l: row l's values 2p (low 16 bits) and 2p + 1 (high), as int16 */
-            if (base == GGML_Q8_0) {
-                pairs = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(values + 32 * p)));
-            } else {
-                const __m512i words = _mm512_loadu_si512(values + 64 * (p / 4));
-                pairs = _mm512_and_si512(_mm512_srli_epi16(words, 4 * (p % 4)), _mm512_set1_epi16(0xF));
-            }
-            __m512 even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16));
-            __m512 odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 16));
-            if (base == GGML_Q4_0) {
-                even = _mm512_sub_ps(even, _mm512_set1_ps(8.f));
-                odd = _mm512_sub_ps(odd, _mm512_set1_ps(8.f));
-            }
-            even = _mm512_mul_ps(d, even);
-            odd = _mm512_mul_ps(d, odd);
-            if (base == GGML_Q4_1) {
-                even = _mm512_add_ps(even, m);
-                odd = _mm512_add_ps(odd, m);
-            }
+            __m512 even, odd;
+            interleaved_pair_values(base, group + k * GROUP * block_bytes(base), p, &even, &odd);
             _mm512_storeu_si512(tiles + (k * RUN / 2 + p) * 32, interleave_bfloat16(even, odd));
         }
-    }
 }
 
 /* Outputs of one or two adjacent groups (their `runs` runs dequantized at weights[0] and, with
@@ -998,6 +1027,12 @@ int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, c
     const int64_t runs_per_row = cols / RUN, runs_per_block = block_values(type) / RUN;
     const int64_t row_bytes = cols / block_values(type) * block_bytes(type);
     const size_t item = dtype_size(out_dtype);
+#if defined(__AVX512BW__)
+    if (type & INTERLEAVED && !ids) {
+        dequantize_interleaved(base, data, rows, cols, out, out_dtype, num_threads);
+        return GGUF_OK;
+    }
+#endif
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t n = 0; n < rows; n++) {
         const int64_t stored = ids ? ids[n] : n;

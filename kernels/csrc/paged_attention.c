@@ -288,32 +288,6 @@ static void pack_column(const Batch *b, uint16_t *packed, int slot, int column, 
         packed[(slot * dim_tiles + d / AMX_DIMS) * PACKED_TILE + d % AMX_DIMS / 2 * 2 * AMX_COLUMNS + column * 2 + d % 2] = q[d];
 }
 
-/* out[n] = column n of the 16 x 16 float32 matrix `in`. */
-static inline void transpose_16x16(const float in[16][16], vfloat out[16])
-{
-    __m512 r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(in[i]);
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = (__m512)_mm512_unpacklo_pd((__m512d)t[i], (__m512d)t[i + 2]);
-        r[i + 1] = (__m512)_mm512_unpackhi_pd((__m512d)t[i], (__m512d)t[i + 2]);
-        r[i + 2] = (__m512)_mm512_unpacklo_pd((__m512d)t[i + 1], (__m512d)t[i + 3]);
-        r[i + 3] = (__m512)_mm512_unpackhi_pd((__m512d)t[i + 1], (__m512d)t[i + 3]);
-    }
-    for (int i = 0; i < 16; i += 8)
-        for (int j = 0; j < 4; j++) {
-            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
-            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
-        }
-    for (int j = 0; j < 8; j++) {
-        out[j] = (vfloat)_mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
-        out[j + 8] = (vfloat)_mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
-    }
-}
-
 /* scores[n] = the scaled dot products of packed column n (< columns) with the key rows of the
  * tile whose first position's rows start at `keys`, KV heads kv_first .. kv_first + kv_count - 1
  * (each `row_bytes` after the last; positions `position_bytes` apart). */
@@ -330,8 +304,10 @@ static inline void amx_dot_tile(const Batch *b, const char *keys, int64_t positi
         }
     float sums[16][16] __attribute__((aligned(64)));
     _tile_stored(AMX_SCORES, sums, sizeof sums[0]);
+    __m512 rows_of[16];
+    for (int i = 0; i < 16; i++) rows_of[i] = _mm512_load_ps(sums[i]);
     vfloat columns_of[16];
-    transpose_16x16(sums, columns_of);
+    transpose_16x16(rows_of, columns_of);
     for (int n = 0; n < columns; n++) scores[n] = columns_of[n] * b->scale;
 }
 #endif

@@ -184,6 +184,34 @@ static inline void store_first_lanes(vfloat value, int dtype, char *out, int n)
     copy_head(out, padded, n * dtype_size(dtype));
 }
 
+#if defined(__AVX512F__)
+/* out[n] = column n of the 16 x 16 float32 matrix whose row i is in[i]. */
+static inline void transpose_16x16(const __m512 in[16], vfloat out[16])
+{
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = in[i];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = (__m512)_mm512_unpacklo_pd((__m512d)t[i], (__m512d)t[i + 2]);
+        r[i + 1] = (__m512)_mm512_unpackhi_pd((__m512d)t[i], (__m512d)t[i + 2]);
+        r[i + 2] = (__m512)_mm512_unpacklo_pd((__m512d)t[i + 1], (__m512d)t[i + 3]);
+        r[i + 3] = (__m512)_mm512_unpackhi_pd((__m512d)t[i + 1], (__m512d)t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        out[j] = (vfloat)_mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+        out[j + 8] = (vfloat)_mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+#endif
+
 /* e^r for |r| <= ln(2) / 2, its Taylor series to r^7. */
 static inline vfloat exp_near_zero(vfloat r)
 {

@@ -112,13 +112,14 @@ def test_linear_is_within_activation_rounding_of_the_dequantized_matmul(body: st
     assert_within_activation_rounding(out, x, reference_weight(type_name, blocks))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
-def test_interleaved_rows_dequantize_to_the_values_the_file_stores(body: str, type_name: str) -> None:
+def test_interleaved_rows_dequantize_to_the_values_the_file_stores(body: str, type_name: str, dtype: torch.dtype) -> None:
     blocks = random_blocks(type_name, 32, 512)
     part = gguf_linear.interleaved(part_of(type_name, blocks))
     assert part.type == gguf_linear.TYPES[type_name] | gguf_linear.INTERLEAVED
-    out = gguf_linear.dequantize(gguf_linear.QuantizedMatrix([part], 512))
-    assert torch.equal(out, reference_weight(type_name, blocks))
+    out = gguf_linear.dequantize(gguf_linear.QuantizedMatrix([part], 512), dtype)
+    assert torch.equal(out, reference_weight(type_name, blocks).to(dtype))
 
 
 # Split sums, a partial pass, a whole tail pass of 8, 8 then 3 (AVX-512 passes 12 rows), passes and
