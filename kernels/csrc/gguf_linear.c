@@ -705,7 +705,8 @@ static void interleaved_group(
          * chunk's outputs (a cache line each, rows apart) spent a tenth of the kernel waiting. */
         f32x16 group_bias = {0};
         if (bias) memcpy(&group_bias, bias, sizeof group_bias);
-        for (int r = 0; r < count; r++) store_lanes((vfloat)(acc[r] + group_bias), out_dtype, out + (row + r) * out_stride * item);
+        for (int r = 0; r < count; r++)
+            store_lanes((vfloat)(acc[r] + group_bias), out_dtype, out + (row + r) * out_stride * item);
     }
 }
 
@@ -795,13 +796,16 @@ static void dequantize_interleaved(int base, const uint8_t *data, int64_t rows, 
             const uint8_t *run = data + (g * runs + k) * run_bytes;
             const struct RunScales scales = run_scales(base, run);
             __m512 values[RUN]; /* values[v], lane l: row l's value v of the run */
-            for (int p = 0; p < RUN / 2; p++) interleaved_pair_values(base, run, scales, p, &values[2 * p], &values[2 * p + 1]);
+            for (int p = 0; p < RUN / 2; p++)
+                interleaved_pair_values(base, run, scales, p, &values[2 * p], &values[2 * p + 1]);
             vfloat row_values[2][GROUP];
             transpose_16x16(values, row_values[0]);
             transpose_16x16(values + LANES, row_values[1]);
             for (int l = 0; l < GROUP; l++)
-                for (int h = 0; h < 2; h++)
-                    store_lanes(row_values[h][l], out_dtype, out + ((g * GROUP + l) * cols + k * RUN + h * LANES) * item);
+                for (int h = 0; h < 2; h++) {
+                    const int64_t element = (g * GROUP + l) * cols + k * RUN + h * LANES;
+                    store_lanes(row_values[h][l], out_dtype, out + element * item);
+                }
         }
 }
 #endif

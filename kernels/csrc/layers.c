@@ -66,11 +66,12 @@ void rms_norm(const void *x, void *residual, const void *weight, void *out, int6
     rms_norm_row((const char *)x + row, residual ? (char *)residual + row : NULL, w, (char *)out + row, width, chunks, \
                  eps, DTYPE)
             FOR_DTYPE(dtype, RMS_NORM_ROW);
+#undef RMS_NORM_ROW
         }
     }
 }
 
-/* One row of rotary_embedding: `heads` heads from `row`, by the angles cosine[c], sine[c]. */
+/* One row of rotary_embedding: `heads` heads from `row`, by the row's angles (cos, sin: head_dim / 2 each). */
 static inline __attribute__((always_inline)) void rotary_row(
     char *row, int heads, int head_dim, const float *cos, const float *sin, const int dtype)
 {
@@ -99,8 +100,10 @@ void rotary_embedding(void *x, int64_t row_stride, int64_t rows, int heads, int 
     const int half = head_dim / 2;
 #pragma omp parallel for num_threads(num_threads) if (rows * heads * head_dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
-#define ROTARY_ROW(DTYPE) rotary_row((char *)x + r * row_stride * item, heads, head_dim, cos + r * half, sin + r * half, DTYPE)
+#define ROTARY_ROW(DTYPE)                                                                                            \
+    rotary_row((char *)x + r * row_stride * item, heads, head_dim, cos + r * half, sin + r * half, DTYPE)
         FOR_DTYPE(dtype, ROTARY_ROW);
+#undef ROTARY_ROW
     }
 }
 
@@ -127,6 +130,7 @@ void silu_and_mul(const void *gate_up, void *out, int64_t rows, int width, int d
         const char *gate = (const char *)gate_up + r * 2 * width * item;
 #define SILU_AND_MUL_ROW(DTYPE) silu_and_mul_row(gate, gate + width * item, (char *)out + r * width * item, width, DTYPE)
         FOR_DTYPE(dtype, SILU_AND_MUL_ROW);
+#undef SILU_AND_MUL_ROW
     }
 }
 
