@@ -32,6 +32,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
         num_kv_heads * head_dim,
         slot_mapping.data_ptr(),
         num_tokens,
+        torch.get_num_threads(),
     )
     if status != 0:
         raise IndexError(f"slot_mapping points outside the cache's {kv_cache.shape[1] * kv_cache.shape[2]} slots")

@@ -104,7 +104,7 @@ int attention_block(const struct AttentionLayer *layer, const struct DecodeStep 
         const char *keys = qkv + q_width * item, *values = qkv + (q_width + kv_width) * item;
         if (write_kv_cache(keys, qkv_width, values, qkv_width, dtype, cache->data,
                            cache->num_blocks * cache->block_size, cache->dtype, (int)kv_width, step->slot_mapping,
-                           rows))
+                           rows, threads))
             status = FUSED_SLOT_OUTSIDE_CACHE;
     }
     if (status == FUSED_OK

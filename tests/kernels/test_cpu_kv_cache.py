@@ -39,10 +39,25 @@ def test_a_float8_write_rounds_and_saturates_every_value_as_torch_does():
     assert cache[1].view(torch.uint8).flatten().equal(expected.flatten())
 
 
-def test_write_refuses_a_slot_outside_the_cache():
-    key = torch.randn(1, 2, 16)
+def test_a_prefill_sized_write_split_across_threads_matches_reference():
+    torch.manual_seed(5)
+    key, value = torch.randn(2, 1000, 3, 64).to(torch.bfloat16)
+    slots = torch.randperm(64 * 16)[:1000]
+    slots[::7] = -1
+    caches = [torch.zeros(2, 64, 16, 3, 64, dtype=torch.bfloat16) for _ in range(2)]
+    cpu_kv_cache.write_kv_cache(key, value, caches[0], slots)
+    reference.write_kv_cache(key, value, caches[1], slots)
+    assert caches[0].equal(caches[1])
+
+
+def test_write_refuses_a_slot_outside_the_cache_before_writing_any():
+    key = torch.randn(300, 2, 16)
+    cache = torch.zeros(2, 20, 16, 2, 16)
+    slots = torch.arange(300)
+    slots[150] = 320
     with pytest.raises(IndexError, match="outside"):
-        cpu_kv_cache.write_kv_cache(key, key, torch.zeros(2, 2, 16, 2, 16), torch.tensor([32]))
+        cpu_kv_cache.write_kv_cache(key, key, cache, slots)
+    assert cache.eq(0).all()
 
 
 def test_copy_between_caches_of_different_sizes_matches_reference():
