@@ -15,8 +15,8 @@ enum { PARALLEL_MIN_ELEMENTS = 1 << 16 };
 static inline int lanes_in(int c, int width) { return width - c * LANES < LANES ? width - c * LANES : LANES; }
 
 /* Runs `row_call(DTYPE)` with DTYPE the constant equal to `dtype`: each dtype's loop is compiled
- * on its own, without the others' branches and stack copies in it (rms_norm and silu_and_mul
- * ran 1.5-2x slower through one loop for every dtype, Xeon-AMX). */
+ * on its own, without the others' branches in it (64 bfloat16 rows: rms_norm 20.4 -> 19.1 us,
+ * silu_and_mul 60.6 -> 58.9, one thread, Xeon-AMX). */
 #define FOR_DTYPE(dtype, row_call)                                                                                   \
     do {                                                                                                             \
         if ((dtype) == DTYPE_BFLOAT16)                                                                               \
@@ -128,7 +128,8 @@ void silu_and_mul(const void *gate_up, void *out, int64_t rows, int width, int d
 #pragma omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const char *gate = (const char *)gate_up + r * 2 * width * item;
-#define SILU_AND_MUL_ROW(DTYPE) silu_and_mul_row(gate, gate + width * item, (char *)out + r * width * item, width, DTYPE)
+#define SILU_AND_MUL_ROW(DTYPE)                                                                                      \
+    silu_and_mul_row(gate, gate + width * item, (char *)out + r * width * item, width, DTYPE)
         FOR_DTYPE(dtype, SILU_AND_MUL_ROW);
 #undef SILU_AND_MUL_ROW
     }
