@@ -143,24 +143,43 @@ def own_build(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "load_library", OWN_BUILD)
 
 
-@pytest.mark.skipif(
+NO_AMX_BODY = pytest.mark.skipif(
     native.load_library() is None or "AMX" not in gguf_linear.body(), reason="this CPU's kernels have no AMX body"
 )
+
+
+def assert_equal_to_the_matmul_of_bfloat16_weights(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    x64, w64 = x.double(), weight.bfloat16().double()
+    error = (out.double() - x64 @ w64.T).abs()
+    assert (error <= 1e-5 * (x64.abs() @ w64.abs().T) + 1e-6).all()
+
+
+@NO_AMX_BODY
 # One tile of rows, a partial second, two tiles and a partial third, rows past the first panel
-# (1,024 rows of 512 values); 48 rows of weights: a pair of groups and a group alone.
+# (1,024 rows of 512 values); 112 rows of weights: each of two threads takes two pairs of groups,
+# the last pair a group alone, each pair's tiles filled while the pair before it multiplies.
 @pytest.mark.parametrize("rows", [16, 17, 45, 1100])
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_bfloat16_rows_on_amx_tiles_equal_the_matmul_of_the_weights_dequantized_to_bfloat16(
     own_build: None, type_name: str, rows: int
 ) -> None:
-    blocks = random_blocks(type_name, 48, 512, seed=rows)
+    blocks = random_blocks(type_name, 112, 512, seed=rows)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
-    bias = torch.randn(48)
+    bias = torch.randn(112)
     matrix = gguf_linear.QuantizedMatrix([gguf_linear.interleaved(part_of(type_name, blocks))], 512)
     out = gguf_linear.linear(x, matrix, bias, out_dtype=torch.float32)
-    x64, w64 = x.double(), reference_weight(type_name, blocks).bfloat16().double()
-    error = (out.double() - bias.double() - x64 @ w64.T).abs()
-    assert (error <= 1e-5 * (x64.abs() @ w64.abs().T) + 1e-6).all()
+    assert_equal_to_the_matmul_of_bfloat16_weights(out - bias, x, reference_weight(type_name, blocks))
+
+
+@NO_AMX_BODY
+def test_amx_pairs_of_groups_that_straddle_parts_of_different_types_fill_their_own_columns(own_build: None) -> None:
+    names, rows = ["Q4_0", "Q8_0", "Q4_1"], [48, 16, 32]  # groups 0-2, 3, 4-5: pairs (2, 3) and (4, 5) mix types
+    blocks = [random_blocks(name, count, 256, seed=i) for i, (name, count) in enumerate(zip(names, rows))]
+    parts = [gguf_linear.interleaved(part_of(name, b)) for name, b in zip(names, blocks)]
+    x = torch.randn(40, 256).bfloat16()
+    out = gguf_linear.linear(x, gguf_linear.QuantizedMatrix(parts, 256), out_dtype=torch.float32)
+    weight = torch.cat([reference_weight(name, b) for name, b in zip(names, blocks)])
+    assert_equal_to_the_matmul_of_bfloat16_weights(out, x, weight)
 
 
 def test_interleaved_parts_beside_a_part_of_another_layout_fill_their_own_columns(body: str) -> None:
