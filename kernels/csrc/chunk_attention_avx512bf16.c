@@ -50,22 +50,41 @@ static inline const uint16_t *cached(const uint16_t *cache, const int32_t *block
     return cache + (((int64_t)blocks[p / block_size] * block_size + p % block_size) * kv_heads + h) * head_dim;
 }
 
-/* Keys of head h as [tiles of SUB][head_dim / 2][SUB][2]; values as [position pairs][head_dim][2];
- * zeros past the context. */
-static void pack_head(const uint16_t *key_cache, const uint16_t *value_cache, const int32_t *blocks, int block_size,
-                      int kv_heads, int head_dim, int64_t context, int64_t positions, int h, uint16_t *keys,
-                      uint16_t *values)
+/* Tile t (positions t SUB .. t SUB + SUB - 1, in one block of the cache) of KV head h: keys as
+ * [head_dim / 2][SUB][2], each position's pairs of dims transposed to a column; values as
+ * [SUB / 2 position pairs][head_dim][2], each pair's rows interleaved; zeros past the context.
+ * (Block sizes are multiples of SUB, so a tile's rows lie evenly spaced in one block.) In
+ * vectors and split across the threads by tile: packed element by element and a KV head per
+ * thread, a 16-token chunk over 400 positions took 127 us a layer, now 67 (Xeon-AMX). */
+static void pack_tile(const uint16_t *key_cache, const uint16_t *value_cache, const int32_t *blocks, int block_size,
+                      int kv_heads, int head_dim, int64_t context, int64_t t, int h, uint16_t *keys, uint16_t *values)
 {
-    for (int64_t p = 0; p < positions; p++) {
-        const uint16_t *k = p < context ? cached(key_cache, blocks, block_size, kv_heads, head_dim, p, h) : NULL;
-        const uint16_t *v = p < context ? cached(value_cache, blocks, block_size, kv_heads, head_dim, p, h) : NULL;
-        uint16_t *key_tile = keys + (p / SUB) * SUB * head_dim;
-        uint16_t *value_pair = values + (p / 2) * 2 * head_dim;
-        for (int d = 0; d < head_dim; d++) {
-            key_tile[((d / 2) * SUB + p % SUB) * 2 + d % 2] = k ? k[d] : 0;
-            value_pair[d * 2 + p % 2] = v ? v[d] : 0;
-        }
+    const int64_t first = t * SUB;
+    const int valid = context - first < SUB ? (int)(context - first) : SUB; /* < 1: a tile of padding */
+    const uint16_t *key_rows = valid > 0 ? cached(key_cache, blocks, block_size, kv_heads, head_dim, first, h) : NULL;
+    const uint16_t *value_rows = valid > 0 ? cached(value_cache, blocks, block_size, kv_heads, head_dim, first, h) : NULL;
+    const int64_t stride = (int64_t)kv_heads * head_dim;
+    for (int c = 0; c < head_dim / 32; c++) { /* 16 pairs of dims (32-bit words) at a time */
+        __m512 rows[SUB];
+        vfloat columns[SUB];
+        for (int p = 0; p < SUB; p++)
+            rows[p] = p < valid ? _mm512_loadu_ps(key_rows + p * stride + 32 * c) : _mm512_setzero_ps();
+        transpose_16x16(rows, columns);
+        for (int j = 0; j < SUB; j++) memcpy(keys + (16 * c + j) * SUB * 2, &columns[j], sizeof columns[j]);
     }
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int pair = 0; pair < SUB / 2; pair++)
+        for (int c = 0; c < head_dim / 32; c++) {
+            const int p = 2 * pair;
+            const __m512i even = p < valid ? _mm512_loadu_si512(value_rows + p * stride + 32 * c) : _mm512_setzero_si512();
+            const __m512i odd = p + 1 < valid ? _mm512_loadu_si512(value_rows + (p + 1) * stride + 32 * c)
+                                              : _mm512_setzero_si512();
+            uint16_t *to = values + pair * 2 * head_dim + 64 * c;
+            _mm512_storeu_si512(to, _mm512_permutex2var_epi16(even, low, odd));
+            _mm512_storeu_si512(to + 32, _mm512_permutex2var_epi16(even, high, odd));
+        }
 }
 
 static inline __m512bh pair_of(const uint16_t *p)
@@ -296,10 +315,14 @@ int chunk_attention_bf16(const uint16_t *query, int64_t query_token_stride, int6
         return -1;
     }
     const uint16_t *value_cache = kv_cache + num_blocks * block_size * num_kv_heads * head_dim;
+    const int64_t tiles = positions / SUB;
 #pragma omp parallel for num_threads(num_threads)
-    for (int h = 0; h < num_kv_heads; h++)
-        pack_head(kv_cache, value_cache, blocks, block_size, num_kv_heads, head_dim, context, positions, h,
-                  keys + h * positions * head_dim, values + h * positions * head_dim);
+    for (int64_t i = 0; i < num_kv_heads * tiles; i++) {
+        const int h = (int)(i / tiles);
+        const int64_t t = i % tiles, offset = (h * positions + t * SUB) * head_dim;
+        pack_tile(kv_cache, value_cache, blocks, block_size, num_kv_heads, head_dim, context, t, h, keys + offset,
+                  values + offset);
+    }
     const Chunk chunk = {
         .query = query, .query_token_stride = query_token_stride, .query_head_stride = query_head_stride,
         .keys = keys, .values = values, .packed_positions = positions, .rows = rows, .context = context,
