@@ -743,22 +743,26 @@ static void interleaved_matrix(
 }
 
 #if defined(__AVX512BW__)
-/* The 16 rows' scales d (and offsets m, Q4_1) of a group's run (`run`: its scales, then its
- * values), loaded once per run: left to each pair, they were loaded again for every pair, since
- * the run's bytes may alias the caller's stores (16-row steps on AMX 3-6% slower for it). */
+/* The 16 rows' scales d and offsets m of a group's run (`run`: its scales, then its values),
+ * loaded once per run: left to each pair, they were loaded again for every pair, since the run's
+ * bytes may alias the caller's stores (16-row steps on AMX 3-6% slower for it). A nibble's value
+ * is d u + m: Q4_1 stores m, Q4_0's is -8 d (exact: a power of two times a half). */
 struct RunScales {
     __m512 d, m;
 };
 
 static inline struct RunScales run_scales(int base, const uint8_t *run)
 {
-    return (struct RunScales){(__m512)halves_to_floats(run),
-                              base == GGML_Q4_1 ? (__m512)halves_to_floats(run + 2 * GROUP) : _mm512_setzero_ps()};
+    const __m512 d = (__m512)halves_to_floats(run);
+    if (base == GGML_Q4_1) return (struct RunScales){d, (__m512)halves_to_floats(run + 2 * GROUP)};
+    return (struct RunScales){d, base == GGML_Q4_0 ? _mm512_mul_ps(d, _mm512_set1_ps(-8.f)) : _mm512_setzero_ps()};
 }
 
 /* Pair p of a group's run for all 16 rows at once: lane l of even and odd holds row l's values 2p
- * and 2p + 1, w = d u (Q8_0), d (u - 8) (Q4_0), d u + m (Q4_1), one rounding per operation as in
- * half_run_values (the explicitly rounded operations are never fused into a multiply-add). */
+ * and 2p + 1, w = d u (Q8_0), d (u - 8) (Q4_0), d u + m (Q4_1), rounded as half_run_values
+ * rounds them (the product is exact, below). Unpacking the nibbles without sign extension and one
+ * fused multiply-add for the scale and offset made the default model's 64-row steps' linears
+ * 7-11% faster on AMX (session 31). */
 static inline __attribute__((always_inline)) void interleaved_pair_values(int base, const uint8_t *run,
                                                                            struct RunScales scales, int p,
                                                                            __m512 *even, __m512 *odd)
@@ -772,13 +776,18 @@ static inline __attribute__((always_inline)) void interleaved_pair_values(int ba
         const __m512i words = _mm512_loadu_si512(values + 64 * (p / 4));
         pairs = _mm512_and_si512(_mm512_srli_epi16(words, 4 * (p % 4)), _mm512_set1_epi16(0xF));
     }
-    __m512 u[2] = {_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16)),
-                   _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 16))};
-    for (int h = 0; h < 2; h++) {
-        if (base == GGML_Q4_0) u[h] = _mm512_sub_round_ps(u[h], _mm512_set1_ps(8.f), ROUNDING);
-        u[h] = _mm512_mul_round_ps(scales.d, u[h], ROUNDING);
-        if (base == GGML_Q4_1) u[h] = _mm512_add_round_ps(u[h], scales.m, ROUNDING);
+    __m512 u[2];
+    if (base == GGML_Q8_0) {
+        u[0] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16));
+        u[1] = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 16));
+    } else { /* nibbles: no sign to extend */
+        u[0] = _mm512_cvtepi32_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF)));
+        u[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(pairs, 16));
     }
+    /* d u is exact in float32 (an 11-bit half times a 4-bit nibble), so a fused multiply-add
+     * rounds once where half_run_values rounds its addition (Q4_1; Q4_0's d (u - 8) is exact) */
+    for (int h = 0; h < 2; h++)
+        u[h] = base == GGML_Q8_0 ? _mm512_mul_round_ps(scales.d, u[h], ROUNDING) : _mm512_fmadd_ps(scales.d, u[h], scales.m);
     *even = u[0];
     *odd = u[1];
 }
