@@ -901,9 +901,10 @@ static inline void dequantize_pending(struct PendingGroups *pending, int64_t tar
         const int j = pending->done / pending->runs;
         const int64_t k = pending->done % pending->runs;
         const int base = pending->base[j];
-        const uint8_t *ahead = pending->group[j] + k * GROUP * block_bytes(base) + GROUP_PREFETCH_BYTES;
-        for (int line = 0; line < GROUP * block_bytes(base); line += 64) __builtin_prefetch(ahead + line);
-        dequantize_run(base, pending->group[j] + k * GROUP * block_bytes(base), pending->weights[j] + k * RUN * GROUP);
+        const uint8_t *run = pending->group[j] + k * GROUP * block_bytes(base);
+        for (int line = 0; line < GROUP * block_bytes(base); line += 64)
+            __builtin_prefetch(run + GROUP_PREFETCH_BYTES + line);
+        dequantize_run(base, run, pending->weights[j] + k * RUN * GROUP);
     }
 }
 
@@ -993,7 +994,7 @@ static int amx_interleaved_matrix(const struct QuantizedMatrix *matrix, int64_t 
         /* Two sets of two groups' tiles: the pair multiplied now, and the next, dequantized
          * meanwhile (without the overlap, both sets are the same memory). */
         uint16_t *buffer = aligned_alloc(64, (overlap ? 4 : 2) * group_values * sizeof *buffer);
-        uint16_t *const second_set = buffer + 2 * overlap * group_values;
+        uint16_t *const second_set = overlap && buffer ? buffer + 2 * group_values : buffer;
         uint16_t *const weights[2][2] = {{buffer, buffer + group_values}, {second_set, second_set + group_values}};
         failed = buffer == NULL;
         const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
