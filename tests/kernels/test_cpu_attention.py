@@ -102,12 +102,15 @@ def test_decode_rows_walked_whole_equal_them_split_by_segment(sliding_window, dt
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("sliding_window", [None, 100])
-def test_a_decode_row_equals_its_position_among_several_new_tokens(sliding_window, dtype):
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (5, 64), (6, 128)])
+def test_a_decode_row_equals_its_position_among_several_new_tokens(group, head_dim, sliding_window, dtype):
     """Four new tokens over 300 positions (a verification of three draft tokens) attend as one
     item per KV head; each token alone as a decode row at its position, split by segment, gets
     the same result bit for bit: every walk joins the same segments in the same order, and on
-    AMX (bfloat16) a query vector's scores do not depend on the vectors sharing its tile."""
-    b = make_batch([4], [300], 3, 64, 16, dtype)
+    AMX (bfloat16) a query vector's scores do not depend on the vectors sharing its tile, nor a
+    decode row's values on how many of a KV head's query rows share their sums' registers (four
+    at a time at head_dim 64, two at 128: groups of 5 and 6 leave a remainder)."""
+    b = make_batch([4], [300], group, head_dim, 16, dtype)
     together = run_kernel(b, sliding_window)
     one_row = torch.tensor([0, 1], dtype=torch.int32)
     for token in range(4):
