@@ -109,7 +109,7 @@ def test_a_decode_row_equals_its_position_among_several_new_tokens(group, head_d
     the same result bit for bit: every walk joins the same segments in the same order, and on
     AMX (bfloat16) a query vector's scores do not depend on the vectors sharing its tile, nor a
     decode row's values on how many of a KV head's query rows share their sums' registers (four
-    at a time at head_dim 64, two at 128: groups of 5 and 6 leave a remainder)."""
+    at a time at head_dim 64, where a group of 5 leaves one; two at a time at 128)."""
     b = make_batch([4], [300], group, head_dim, 16, dtype)
     together = run_kernel(b, sliding_window)
     one_row = torch.tensor([0, 1], dtype=torch.int32)
