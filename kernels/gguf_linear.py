@@ -131,11 +131,7 @@ def linear(
     """``x W^T + b`` for ``x`` ``[rows, in_features]`` (float32, bfloat16 or float16) with the
     activations quantized to int16 per run of 32, accumulated in float32 and rounded once to
     ``out_dtype`` (default ``x``'s); ``bias`` float32 or None."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != matrix.in_features or x.dtype not in native.DTYPE_CODES:
-        raise ValueError(
-            f"quantized linear needs CPU rows of {matrix.in_features} features in "
-            f"{', '.join(map(str, native.DTYPE_CODES))}; got {list(x.shape)} {x.dtype} on {x.device}"
-        )
+    _check_rows(x, matrix)
     x = x.contiguous()
     out_dtype = out_dtype or x.dtype
     if bias is not None:
@@ -144,6 +140,27 @@ def linear(
     status = native.load_library().quantized_linear(
         ctypes.byref(matrix.struct), x.data_ptr(), native.DTYPE_CODES[x.dtype], x.shape[0], x.shape[1],
         None if bias is None else bias.data_ptr(), out.data_ptr(), native.DTYPE_CODES[out_dtype],
+        torch.get_num_threads(),
+    )
+    _raise_for(status)
+    return out
+
+
+def swiglu(x: torch.Tensor, matrix: QuantizedMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``[gate | up] = linear(x, matrix, bias)`` (``matrix`` a merged
+    gate/up: the gates' rows, then as many ups'), bit for bit what ``linear`` then
+    ``cpu_layers.silu_and_mul`` give, without the gate/up output in between where the kernel
+    multiplies on AMX tiles: ``[rows, out_features / 2]`` in ``x``'s dtype."""
+    _check_rows(x, matrix)
+    if matrix.out_features % 2:
+        raise ValueError(f"a gate/up matrix has an even number of rows, got {matrix.out_features}")
+    x = x.contiguous()
+    if bias is not None:
+        bias = bias.float().contiguous()
+    out = torch.empty(x.shape[0], matrix.out_features // 2, dtype=x.dtype)
+    status = native.load_library().quantized_swiglu(
+        ctypes.byref(matrix.struct), x.data_ptr(), native.DTYPE_CODES[x.dtype], x.shape[0], x.shape[1],
+        None if bias is None else bias.data_ptr(), out.data_ptr(), native.DTYPE_CODES[x.dtype],
         torch.get_num_threads(),
     )
     _raise_for(status)
@@ -187,6 +204,14 @@ def lookup(part: QuantizedPart, in_features: int, ids: torch.Tensor, dtype: torc
         raise IndexError(f"row ids must lie in [0, {part.rows})")
     _raise_for(status)
     return out if one_dim else out.view(*ids.shape, in_features)
+
+
+def _check_rows(x: torch.Tensor, matrix: QuantizedMatrix) -> None:
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != matrix.in_features or x.dtype not in native.DTYPE_CODES:
+        raise ValueError(
+            f"quantized linear needs CPU rows of {matrix.in_features} features in "
+            f"{', '.join(map(str, native.DTYPE_CODES))}; got {list(x.shape)} {x.dtype} on {x.device}"
+        )
 
 
 def _raise_for(status: int) -> None:

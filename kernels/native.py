@@ -66,6 +66,7 @@ _SIGNATURES = {
     "decoder_stack": ([_ptr, _ptr, _ptr, _i32, _ptr, _ptr, _ptr, _ptr], _i32),
     # A pointer to kernels/gguf_linear.py's QuantizedMatrix struct, then as small_batch_linear.
     "quantized_linear": ([_ptr, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i32, _i32], _i32),
+    "quantized_swiglu": ([_ptr, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i32, _i32], _i32),
     "gguf_linear_supports": ([_i32, _i64], _i32),
     "gguf_linear_body": ([], _i32),
     "gguf_interleave": ([_ptr, _i32, _i64, _i64, _ptr], _i32),

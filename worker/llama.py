@@ -139,7 +139,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up_proj = self.gate_up_proj
+        if gate_up_proj.quantized is not None and gate_up_proj.lora is None:  # LoRA adds to gate_up's output
+            return self.down_proj(gate_up_proj.quantized.swiglu(x, gate_up_proj.bias))
+        gate_up = gate_up_proj(x)
         fused = cpu_layers.handles(gate_up)
         return self.down_proj(cpu_layers.silu_and_mul(gate_up) if fused else silu_and_mul(gate_up))
 

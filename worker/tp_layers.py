@@ -101,6 +101,13 @@ class QuantizedWeight:
         y = F.linear(x, gguf_linear.dequantize(self.matrix, x.dtype), None if bias is None else bias.to(x.dtype))
         return y if out_dtype is None else y.to(out_dtype)
 
+    def swiglu(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``silu(gate) * up`` of a merged gate/up weight's ``linear(x, bias)``: inside the block
+        kernel (``gguf_linear.swiglu``) for the steps that multiply the blocks."""
+        if x.shape[0] <= self.max_rows:
+            return gguf_linear.swiglu(x, self.matrix, bias)
+        return cpu_layers.silu_and_mul(self.linear(x, bias))
+
 
 def linear(
     x: torch.Tensor,

@@ -74,6 +74,23 @@ static int layer_linear(const struct LayerWeight *w, const void *x, int dtype, i
     return status ? FUSED_NO_MEMORY : FUSED_OK;
 }
 
+/* activated = silu(gate) * up of [gate | up] = x gate_up^T + bias: in one call on GGUF blocks
+ * (quantized_swiglu), else the linear's output then silu_and_mul. FUSED_OK or FUSED_NO_MEMORY. */
+static int swiglu_linear(const struct LayerWeight *gate_up, const void *x, int dtype, int64_t rows,
+                         int64_t in_features, int64_t intermediate, const float *bias, void *activated, int threads)
+{
+    if (gate_up->quantized)
+        return quantized_swiglu(gate_up->quantized, x, dtype, rows, in_features, bias, activated, dtype, threads)
+                   ? FUSED_NO_MEMORY
+                   : FUSED_OK;
+    char *both = malloc(rows * 2 * intermediate * dtype_size(dtype));
+    int status = both ? layer_linear(gate_up, x, dtype, rows, in_features, 2 * intermediate, bias, both, threads)
+                      : FUSED_NO_MEMORY;
+    if (status == FUSED_OK) silu_and_mul(both, activated, rows, (int)intermediate, dtype, threads);
+    free(both);
+    return status;
+}
+
 /* out = o_proj(attention(rotary(qkv(norm(hidden + residual))))), for the step's rows; the sum
  * hidden + residual is written into `residual` (NULL: hidden is the first layer's input and
  * itself the residual). `out` holds partial sums when the heads are split across ranks. Returns
@@ -129,21 +146,17 @@ int mlp_block(const struct MlpLayer *layer, const struct DecodeStep *step, const
     const int64_t rows = step->rows;
     const int dtype = step->dtype, threads = step->num_threads;
     const size_t item = dtype_size(dtype);
-    char *normed = malloc(rows * layer->hidden * item), *gate_up = malloc(rows * 2 * layer->intermediate * item);
-    char *activated = malloc(rows * layer->intermediate * item);
-    int status = normed && gate_up && activated ? FUSED_OK : FUSED_NO_MEMORY;
+    char *normed = malloc(rows * layer->hidden * item), *activated = malloc(rows * layer->intermediate * item);
+    int status = normed && activated ? FUSED_OK : FUSED_NO_MEMORY;
     if (status == FUSED_OK) {
         rms_norm(hidden, residual, layer->post_attention_norm, normed, rows, layer->hidden, dtype, layer->eps, threads);
-        status = layer_linear(&layer->gate_up, normed, dtype, rows, layer->hidden, 2 * layer->intermediate,
-                              layer->gate_up_bias, gate_up, threads);
+        status = swiglu_linear(&layer->gate_up, normed, dtype, rows, layer->hidden, layer->intermediate,
+                               layer->gate_up_bias, activated, threads);
     }
-    if (status == FUSED_OK) {
-        silu_and_mul(gate_up, activated, rows, layer->intermediate, dtype, threads);
+    if (status == FUSED_OK)
         status = layer_linear(&layer->down, activated, dtype, rows, layer->intermediate, layer->hidden, NULL, out,
                               threads);
-    }
     free(normed);
-    free(gate_up);
     free(activated);
     return status;
 }

@@ -877,15 +877,16 @@ struct PendingGroups {
     uint16_t *weights[2];
 };
 
-/* Group pair `pair` (groups 2 pair and 2 pair + 1, where there is one) of `matrix`, none of it
- * dequantized yet, into `weights`. */
+/* Groups `first` and `first + apart` (where there is one) of `matrix`, none of them dequantized
+ * yet, into `weights`. */
 static struct PendingGroups pending_pair(const struct QuantizedMatrix *matrix, const int64_t first_group[],
-                                         int64_t groups, int64_t runs, int64_t pair, uint16_t *const weights[2])
+                                         int64_t groups, int64_t runs, int64_t first, int64_t apart,
+                                         uint16_t *const weights[2])
 {
-    struct PendingGroups pending = {.count = 2 * pair + 1 < groups ? 2 : 1, .runs = runs,
+    struct PendingGroups pending = {.count = first + apart < groups ? 2 : 1, .runs = runs,
                                     .weights = {weights[0], weights[1]}};
     for (int j = 0; j < pending.count; j++) {
-        const int64_t g = 2 * pair + j;
+        const int64_t g = first + j * apart;
         int p = 0;
         while (g >= first_group[p + 1]) p++;
         pending.base[j] = matrix->types[p] & ~INTERLEAVED;
@@ -908,13 +909,15 @@ static inline void dequantize_pending(struct PendingGroups *pending, int64_t tar
     }
 }
 
-/* Outputs of one or two adjacent groups (their `runs` runs dequantized at weights[0] and, with
- * `pair`, weights[1]) for activation rows [row, row + rows) of x (bfloat16, `stride` values
- * apart; the tile from `whole_rows` on comes from `tail`, TILE_ROWS rows padded with zeros).
+/* Outputs of one or two groups (their `runs` runs dequantized at weights[0] and, with `pair`,
+ * weights[1]) for activation rows [row, row + rows) of x (bfloat16, `stride` values apart; the
+ * tile from `whole_rows` on comes from `tail`, TILE_ROWS rows padded with zeros), each group's
+ * plus its `bias` (or none where NULL). A row's 16 outputs of group j go to out + j GROUP; with
+ * `swiglu` (a pair: a gate's group and its up's) their silu(gate) * up goes to out instead.
  * Unless `pending` is NULL, its runs are dequantized meanwhile, spread evenly over the products. */
 static void amx_group_rows(uint16_t *const weights[2], int pair, int64_t runs, const uint16_t *x, int64_t stride,
-                           int64_t rows, int64_t whole_rows, const uint16_t *tail, const float *bias, char *out,
-                           int64_t out_stride, int out_dtype, struct PendingGroups *pending)
+                           int64_t rows, int64_t whole_rows, const uint16_t *tail, const float *const bias[2],
+                           int swiglu, char *out, int64_t out_stride, int out_dtype, struct PendingGroups *pending)
 {
     const size_t item = dtype_size(out_dtype);
     const int64_t bytes = stride * 2, steps = (rows + 2 * TILE_ROWS - 1) / (2 * TILE_ROWS) * runs;
@@ -946,19 +949,30 @@ static void amx_group_rows(uint16_t *const weights[2], int pair, int64_t runs, c
         _tile_stored(1, sums[0][1], 64);
         _tile_stored(2, sums[1][0], 64);
         _tile_stored(3, sums[1][1], 64);
-        for (int j = 0; j <= pair; j++) {
-            f32x16 group_bias = {0};
-            if (bias) memcpy(&group_bias, bias + j * GROUP, sizeof group_bias);
+        vfloat group_bias[2] = {{0}, {0}};
+        for (int j = 0; j <= pair; j++)
+            if (bias[j]) memcpy(&group_bias[j], bias[j], sizeof group_bias[j]);
+        /* The SwiGLU here saves the gate_up output's round trip through memory and a pass over it
+         * (2,048 rows: 12.6 MB of bfloat16 written, then read back), rounded as that pass rounds. */
+        for (int64_t r = 0; swiglu && r < 2 * TILE_ROWS && row + r < rows; r++) {
+            vfloat gate, up;
+            memcpy(&gate, sums[r / TILE_ROWS][0][r % TILE_ROWS], sizeof gate);
+            memcpy(&up, sums[r / TILE_ROWS][1][r % TILE_ROWS], sizeof up);
+            const vfloat activated = swiglu_lanes(round_lanes(gate + group_bias[0], out_dtype),
+                                                  round_lanes(up + group_bias[1], out_dtype), out_dtype);
+            store_lanes(activated, out_dtype, out + (row + r) * out_stride * item);
+        }
+        for (int j = 0; !swiglu && j <= pair; j++) {
             for (int64_t r = 0; r < 2 * TILE_ROWS && row + r < rows; r++) {
-                f32x16 lanes;
+                vfloat lanes;
                 memcpy(&lanes, sums[r / TILE_ROWS][j][r % TILE_ROWS], sizeof lanes);
-                lanes += group_bias;
+                lanes += group_bias[j];
                 char *to = out + ((row + r) * out_stride + j * GROUP) * item;
                 /* float32 outputs (the LM head's logits: 12.6 MB for 64 rows of SmolLM2) go around
                  * the caches: each row gets 64 bytes at a time, too scattered for the write-allocate
                  * reads to be hidden (64 rows 5.1-5.5 -> 3.8-4.1 ms, workload A +2%, Xeon-AMX). */
                 if (out_dtype == DTYPE_FLOAT32 && ((uintptr_t)to & 63) == 0) _mm512_stream_ps((float *)to, (__m512)lanes);
-                else store_lanes((vfloat)lanes, out_dtype, to);
+                else store_lanes(lanes, out_dtype, to);
             }
         }
     }
@@ -968,10 +982,11 @@ static void amx_group_rows(uint16_t *const weights[2], int pair, int64_t runs, c
  * small, the kernel lacks memory or Linux refuses the tiles (the caller then computes every
  * output with the int16 kernel). Activation rows go
  * AMX_PANEL_BYTES at a time (a panel stays in L2), each thread dequantizing its pairs of groups
- * once per panel. */
+ * once per panel. With `swiglu` (quantized_swiglu's), out holds silu(gate) * up, out_features / 2
+ * a row, and group g of the gates pairs with group g of the ups; otherwise groups 2p and 2p + 1. */
 static int amx_interleaved_matrix(const struct QuantizedMatrix *matrix, int64_t in_features, const uint16_t *x,
                                   int64_t rows, const float *bias, char *out, int64_t out_features, int out_dtype,
-                                  int num_threads)
+                                  int num_threads, int swiglu)
 {
     if (rows < AMX_MIN_ROWS || !amx_permitted()) return 0;
     int64_t first_group[4] = {0};
@@ -984,7 +999,8 @@ static int amx_interleaved_matrix(const struct QuantizedMatrix *matrix, int64_t 
     int64_t panel = AMX_PANEL_BYTES / (in_features * 2) / (2 * TILE_ROWS) * (2 * TILE_ROWS);
     if (panel < 2 * TILE_ROWS) panel = 2 * TILE_ROWS;
     const size_t item = dtype_size(out_dtype), group_values = (size_t)(runs * RUN * GROUP);
-    const int64_t pairs = (groups + 1) / 2, panels = (rows + panel - 1) / panel;
+    const int64_t pairs = swiglu ? groups / 2 : (groups + 1) / 2, apart = swiglu ? groups / 2 : 1;
+    const int64_t panels = (rows + panel - 1) / panel, out_width = swiglu ? out_features / 2 : out_features;
     /* A single tile of rows multiplies too briefly to hide the next groups' dequantization, and
      * the second set of tiles would push the first out of L1 (16 rows 4-7% slower so). */
     const int overlap = rows > TILE_ROWS;
@@ -1003,21 +1019,25 @@ static int amx_interleaved_matrix(const struct QuantizedMatrix *matrix, int64_t 
         const int64_t items = failed ? 0 : own_pairs * panels;
         if (!failed) configure_tiles();
         struct PendingGroups next = {0};
+        const int64_t pair_stride = swiglu ? 1 : 2; /* from one pair's first group to the next one's */
         if (items) {
-            next = pending_pair(matrix, first_group, groups, runs, first_pair, weights[0]);
+            next = pending_pair(matrix, first_group, groups, runs, pair_stride * first_pair, apart, weights[0]);
             dequantize_pending(&next, next.count * runs);
         }
         for (int64_t n = 0; n < items; n++) {
-            const int64_t g = 2 * (first_pair + n % own_pairs), row = n / own_pairs * panel;
+            const int64_t g = pair_stride * (first_pair + n % own_pairs), row = n / own_pairs * panel;
             const int64_t panel_rows = rows - row < panel ? rows - row : panel;
             const struct PendingGroups current = next;
-            next = n + 1 < items ? pending_pair(matrix, first_group, groups, runs, first_pair + (n + 1) % own_pairs,
-                                                weights[(n + 1) % 2])
-                                 : (struct PendingGroups){0};
-            amx_group_rows(current.weights, current.count == 2, runs, x + row * in_features, in_features, panel_rows,
-                           whole_rows - row, tail, bias ? bias + g * GROUP : NULL,
-                           out + (row * out_features + g * GROUP) * item, out_features, out_dtype,
-                           overlap ? &next : NULL);
+            const int64_t next_first = pair_stride * (first_pair + (n + 1) % own_pairs);
+            next = n + 1 < items
+                       ? pending_pair(matrix, first_group, groups, runs, next_first, apart, weights[(n + 1) % 2])
+                       : (struct PendingGroups){0};
+            const int pair = current.count == 2;
+            const float *const group_bias[2] = {bias ? bias + g * GROUP : NULL,
+                                                bias && pair ? bias + (g + apart) * GROUP : NULL};
+            amx_group_rows(current.weights, pair, runs, x + row * in_features, in_features, panel_rows,
+                           whole_rows - row, tail, group_bias, swiglu, out + (row * out_width + g * GROUP) * item,
+                           out_width, out_dtype, overlap ? &next : NULL);
             dequantize_pending(&next, next.count * runs);
         }
         if (!failed) _tile_release();
@@ -1034,6 +1054,23 @@ int gguf_linear_supports(int type, int64_t in_features)
     return block_values(type) != 0 && in_features % block_values(type) == 0;
 }
 
+/* GGUF_OK where the kernels take `matrix`'s parts for rows of `in_features` values, with its
+ * rows in all in `out_features` and whether every part is interleaved in `interleaved`. */
+static int check_matrix(const struct QuantizedMatrix *matrix, int64_t in_features, int64_t *out_features,
+                        int *interleaved)
+{
+    *out_features = 0;
+    *interleaved = 1;
+    for (int p = 0; p < matrix->parts; p++) {
+        if (!block_values(matrix->types[p])) return GGUF_UNSUPPORTED_TYPE;
+        if (!gguf_linear_supports(matrix->types[p], in_features)) return GGUF_BAD_SHAPE;
+        if (matrix->types[p] & INTERLEAVED && matrix->rows[p] % GROUP) return GGUF_BAD_SHAPE;
+        *out_features += matrix->rows[p];
+        *interleaved &= (matrix->types[p] & INTERLEAVED) != 0;
+    }
+    return GGUF_OK;
+}
+
 /* out[m, :] = x[m, :] W^T + bias for m < rows: W is the parts of `matrix` stacked by rows, x in
  * `x_dtype` [rows, in_features], bias float32 [all parts' rows] or NULL, out [rows, all parts'
  * rows] in `out_dtype`, all contiguous. Returns GGUF_OK, GGUF_UNSUPPORTED_TYPE, GGUF_BAD_SHAPE
@@ -1041,18 +1078,13 @@ int gguf_linear_supports(int type, int64_t in_features)
 int quantized_linear(const struct QuantizedMatrix *matrix, const void *x, int x_dtype, int64_t rows,
                      int64_t in_features, const float *bias, void *out, int out_dtype, int num_threads)
 {
-    int64_t out_features = 0;
-    for (int p = 0; p < matrix->parts; p++) {
-        if (!block_values(matrix->types[p])) return GGUF_UNSUPPORTED_TYPE;
-        if (!gguf_linear_supports(matrix->types[p], in_features)) return GGUF_BAD_SHAPE;
-        if (matrix->types[p] & INTERLEAVED && matrix->rows[p] % GROUP) return GGUF_BAD_SHAPE;
-        out_features += matrix->rows[p];
-    }
-    int interleaved = 1;
-    for (int p = 0; p < matrix->parts; p++) interleaved &= (matrix->types[p] & INTERLEAVED) != 0;
+    int64_t out_features;
+    int interleaved;
+    const int status = check_matrix(matrix, in_features, &out_features, &interleaved);
+    if (status != GGUF_OK) return status;
 #if defined(AMX_TILES) && defined(__AVX512BF16__)
     if (interleaved && x_dtype == DTYPE_BFLOAT16 &&
-        amx_interleaved_matrix(matrix, in_features, x, rows, bias, out, out_features, out_dtype, num_threads))
+        amx_interleaved_matrix(matrix, in_features, x, rows, bias, out, out_features, out_dtype, num_threads, 0))
         return GGUF_OK;
 #endif
     const int64_t runs_per_row = in_features / RUN;
@@ -1083,6 +1115,32 @@ int quantized_linear(const struct QuantizedMatrix *matrix, const void *x, int x_
     }
     free(quantized);
     return GGUF_OK;
+}
+
+/* out[m, :] = silu(g) * u for m < rows, where [g | u] = x[m, :] W^T + bias is what quantized_linear
+ * computes (W's first half of rows the gates', the second the ups'; out has half as many
+ * columns), each rounded to `out_dtype` before the SwiGLU as silu_and_mul takes them: the same
+ * bits as the two calls. Returns as quantized_linear, GGUF_BAD_SHAPE also for an odd row count. */
+int quantized_swiglu(const struct QuantizedMatrix *matrix, const void *x, int x_dtype, int64_t rows,
+                     int64_t in_features, const float *bias, void *out, int out_dtype, int num_threads)
+{
+    int64_t out_features;
+    int interleaved;
+    const int status = check_matrix(matrix, in_features, &out_features, &interleaved);
+    if (status != GGUF_OK) return status;
+    if (out_features % 2) return GGUF_BAD_SHAPE;
+#if defined(AMX_TILES) && defined(__AVX512BF16__)
+    if (interleaved && x_dtype == DTYPE_BFLOAT16 && out_features / 2 % GROUP == 0 &&
+        amx_interleaved_matrix(matrix, in_features, x, rows, bias, out, out_features, out_dtype, num_threads, 1))
+        return GGUF_OK;
+#endif
+    char *gate_up = malloc((size_t)(rows * out_features) * dtype_size(out_dtype));
+    if (!gate_up) return GGUF_NO_MEMORY;
+    const int linear_status = quantized_linear(matrix, x, x_dtype, rows, in_features, bias, gate_up, out_dtype,
+                                               num_threads);
+    if (linear_status == GGUF_OK) silu_and_mul(gate_up, out, rows, (int)(out_features / 2), out_dtype, num_threads);
+    free(gate_up);
+    return linear_status;
 }
 
 /* The 16 values of a decoded half-run, in float32: exactly ggml's float32 dequantization, one

@@ -53,6 +53,8 @@ struct QuantizedMatrix {
 };
 int quantized_linear(const struct QuantizedMatrix *matrix, const void *x, int x_dtype, int64_t rows,
                      int64_t in_features, const float *bias, void *out, int out_dtype, int num_threads);
+int quantized_swiglu(const struct QuantizedMatrix *matrix, const void *x, int x_dtype, int64_t rows,
+                     int64_t in_features, const float *bias, void *out, int out_dtype, int num_threads);
 int gguf_linear_supports(int type, int64_t in_features);
 int gguf_linear_body(void);
 int gguf_interleave(const uint8_t *data, int type, int64_t rows, int64_t cols, uint8_t *out);

@@ -115,8 +115,8 @@ static inline __attribute__((always_inline)) void silu_and_mul_row(
     for (int c = 0; c < (width + LANES - 1) / LANES; c++) {
         const int n = lanes_in(c, width);
         const vfloat g = load_first_lanes(gate + c * LANES * item, dtype, n);
-        const vfloat silu = round_lanes(g / (1.f + exp_lanes(-g)), dtype);
-        store_first_lanes(silu * load_first_lanes(up + c * LANES * item, dtype, n), dtype, out + c * LANES * item, n);
+        store_first_lanes(swiglu_lanes(g, load_first_lanes(up + c * LANES * item, dtype, n), dtype), dtype,
+                          out + c * LANES * item, n);
     }
 }
 

@@ -276,6 +276,14 @@ static inline vfloat exp_lanes(vfloat x)
 #endif
 }
 
+/* SwiGLU's silu(gate) * up lane by lane for gate and up already rounded to `dtype` (as a
+ * linear's outputs are), silu(gate) rounded before the product as the torch code rounds it; the
+ * product is left for the caller's store to round. */
+static inline vfloat swiglu_lanes(vfloat gate, vfloat up, int dtype)
+{
+    return round_lanes(gate / (1.f + exp_lanes(-gate)), dtype) * up;
+}
+
 /* e^(old_max - new_max), the factor an online softmax's sums shrink by when its running maximum
  * rises from old_max to new_max: 0 where nothing was seen yet (old_max -inf), and 1 without
  * computing it where the maximum stayed, as it does on most tiles of a long context. */

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from strata.engine_core.sampling_params import SamplingParams
-from strata.kernels import cpu_attention, cpu_decoder_layer, cpu_kv_cache, cpu_layers, reference
+from strata.kernels import cpu_attention, cpu_decoder_layer, cpu_kv_cache, cpu_layers, gguf_linear, reference
 from strata.launch.bench.throughput import CORPUS, Workload, synthetic_prompts
 from strata.launch.llm import LLM
 from strata.worker import model_runner, tp_layers
@@ -130,6 +130,7 @@ def main() -> None:
         # The decoder's GGUF-block linears; the head's, also a QuantizedWeight, is the LM head's row.
         if isinstance(module, PlannedLinear) and not isinstance(module, tp_layers.ParallelLMHead) and module.quantized is not None:
             time_calls(module.quantized, "linear", "module-path linears", timers)
+    time_calls(gguf_linear, "swiglu", "module-path linears", timers)  # a gate_up with its SwiGLU in the block kernel
     time_calls(cpu_attention, "paged_attention", "module-path attention, C kernel", timers)
     time_calls(cpu_attention, "chunk_attention", "module-path attention, long chunks (C)", timers)
     time_calls(reference, "chunk_attention", "module-path attention, long chunks (torch)", timers)

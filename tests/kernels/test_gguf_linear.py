@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from strata.kernels import cpu_features, gguf_linear, native
+from strata.kernels import cpu_features, cpu_layers, gguf_linear, native
 
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the CPU kernels")
 
@@ -70,10 +70,11 @@ def assert_within_activation_rounding(out: torch.Tensor, x: torch.Tensor, weight
 @functools.cache
 def build(march: str, directory: Path) -> object:
     output = directory / f"gguf-{march}.so"
-    native.compile_library("cc", native.flags_for(march), output, [SOURCE])
+    native.compile_library("cc", native.flags_for(march), output, [SOURCE, native.SOURCE_DIR / "layers.c"])
     import ctypes
 
-    names = ["quantized_linear", "gguf_linear_supports", "gguf_linear_body", "gguf_dequantize", "gguf_interleave"]
+    names = ["quantized_linear", "quantized_swiglu", "gguf_linear_supports", "gguf_linear_body", "gguf_dequantize",
+             "gguf_interleave", "silu_and_mul"]
     return native.declare_signatures(ctypes.CDLL(str(output)), names)
 
 
@@ -191,6 +192,29 @@ def test_interleaved_parts_beside_a_part_of_another_layout_fill_their_own_column
     x, bias = torch.randn(3, 256), torch.randn(sum(rows))
     out = gguf_linear.linear(x, gguf_linear.QuantizedMatrix(parts, 256), bias)
     assert_within_activation_rounding(out - bias, x, weight)
+
+
+# Below a tile of rows, one tile, a partial second, and rows past the first panel (1,024 rows of
+# 512 values); float32 rows (no AMX tiles for them). Gates Q4_1, ups Q8_0, 48 rows each: the three
+# pairs of a gate's group and its up's split unevenly between two threads.
+@pytest.mark.parametrize(("rows", "dtype"), [(3, torch.bfloat16), (16, torch.bfloat16), (45, torch.bfloat16),
+                                             (1100, torch.bfloat16), (20, torch.float32)])
+def test_swiglu_gives_the_bits_of_silu_and_mul_after_the_linear(body: str, rows: int, dtype: torch.dtype) -> None:
+    gate, up = random_blocks("Q4_1", 48, 512, seed=rows), random_blocks("Q8_0", 48, 512, seed=rows + 1)
+    matrix = gguf_linear.QuantizedMatrix(
+        [gguf_linear.interleaved(part_of("Q4_1", gate)), gguf_linear.interleaved(part_of("Q8_0", up))], 512
+    )
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    bias = torch.randn(96)
+    out = gguf_linear.swiglu(x, matrix, bias)
+    assert out.shape == (rows, 48) and out.dtype == dtype
+    assert torch.equal(out, cpu_layers.silu_and_mul(gguf_linear.linear(x, matrix, bias)))
+
+
+def test_a_gate_up_matrix_of_odd_rows_is_refused() -> None:
+    matrix = matrix_of("Q8_0", random_blocks("Q8_0", 17, 64), 64)
+    with pytest.raises(ValueError, match="even number of rows"):
+        gguf_linear.swiglu(torch.randn(2, 64), matrix)
 
 
 @pytest.mark.parametrize(("type_name", "rows"), [("Q4_1", 24), ("Q5_0", 32)], ids=["partial-group", "other-type"])
