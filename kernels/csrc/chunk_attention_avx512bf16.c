@@ -96,6 +96,36 @@ static inline __m512bh pair_of(const uint16_t *p)
 
 /* One item: query vectors x0 .. x0 + n - 1 of KV head h (vector x: token x / group, query head
  * h * group + x % group). */
+/* One query vector's online softmax over a tile: its scores (TILE / SUB vectors, -inf where it
+ * does not see the position) and their lane-by-lane maximum. The terms e^(score - reference)
+ * go to `weights` in bfloat16 (zeros while the vector has seen nothing) and are added lane by
+ * lane into *denominator. The reference (*running_max) moves up only when a score exceeds it by
+ * more than RESCALE_MARGIN; the factor the value sums so far must then be scaled by is returned
+ * (1 otherwise), *denominator already scaled. */
+static inline __attribute__((always_inline)) float softmax_tile_row(const vfloat tile_scores[TILE / SUB],
+                                                                     vfloat lane_max, float *running_max,
+                                                                     vfloat *denominator, uint16_t weights[TILE])
+{
+    float correction = 1.f;
+    if (any_lane_above(lane_max, *running_max + RESCALE_MARGIN)) {
+        const float tile_max = max_of_lanes(lane_max);
+        correction = softmax_rescale(*running_max, tile_max);
+        *denominator *= correction;
+        *running_max = tile_max;
+    }
+    if (*running_max == -INFINITY) { /* nothing this vector sees so far, this tile included */
+        memset(weights, 0, sizeof(uint16_t) * TILE);
+        return correction;
+    }
+    for (int s = 0; s < TILE / SUB; s++) {
+        const vfloat p = exp_lanes(tile_scores[s] - *running_max);
+        *denominator += p;
+        const __m256bh rounded = _mm512_cvtneps_pbh((__m512)p);
+        memcpy(weights + s * SUB, &rounded, sizeof rounded);
+    }
+    return correction;
+}
+
 static inline __attribute__((always_inline)) void attend_item(const Chunk *c, int h, int64_t x0, int n,
                                                               const int chunks)
 {
@@ -104,7 +134,8 @@ static inline __attribute__((always_inline)) void attend_item(const Chunk *c, in
     const uint16_t *values = c->values + h * c->packed_positions * head_dim;
     const uint16_t *q[ITEM_ROWS];
     int64_t visible[ITEM_ROWS], first[ITEM_ROWS];
-    float running_max[ITEM_ROWS], denominator[ITEM_ROWS];
+    float running_max[ITEM_ROWS];
+    vfloat denominator[ITEM_ROWS];
     __m512 acc[ITEM_ROWS][MAX_DIM_CHUNKS];
     for (int r = 0; r < ITEM_ROWS; r++) {
         const int64_t x = x0 + (r < n ? r : n - 1); /* a partial item repeats its last vector */
@@ -113,7 +144,7 @@ static inline __attribute__((always_inline)) void attend_item(const Chunk *c, in
         visible[r] = c->context - c->rows + token + 1;
         first[r] = c->sliding_window && visible[r] > c->sliding_window ? visible[r] - c->sliding_window : 0;
         running_max[r] = -INFINITY;
-        denominator[r] = 0.f;
+        denominator[r] = (vfloat){0};
         for (int d = 0; d < chunks; d++) acc[r][d] = _mm512_setzero_ps();
     }
     int64_t start = first[0], end = visible[0];
@@ -133,30 +164,15 @@ static inline __attribute__((always_inline)) void attend_item(const Chunk *c, in
         }
         uint16_t weights[ITEM_ROWS][TILE] __attribute__((aligned(64)));
         for (int r = 0; r < ITEM_ROWS; r++) {
-            vfloat tile_scores[TILE / SUB];
-            float tile_max = -INFINITY;
+            vfloat tile_scores[TILE / SUB], lane_max = (vfloat){0} - INFINITY;
             for (int s = 0; s < TILE / SUB; s++) {
                 const vint position = LANE_INDEX + (int)(tile + s * SUB);
                 const vint seen = (position < (int)visible[r]) & (position >= (int)first[r]);
                 tile_scores[s] = select_lanes(seen, (vfloat)scores[r][s] * c->scale, (vfloat){0} - INFINITY);
-                const float m = max_of_lanes(tile_scores[s]);
-                tile_max = m > tile_max ? m : tile_max;
+                lane_max = (vfloat)_mm512_max_ps((__m512)lane_max, (__m512)tile_scores[s]);
             }
-            if (tile_max == -INFINITY) { /* nothing of this tile is seen by this vector */
-                memset(weights[r], 0, sizeof weights[r]);
-                continue;
-            }
-            const float new_max = tile_max > running_max[r] ? tile_max : running_max[r];
-            const float correction = softmax_rescale(running_max[r], new_max);
-            float sum = 0.f;
-            for (int s = 0; s < TILE / SUB; s++) {
-                const vfloat p = exp_lanes(tile_scores[s] - new_max);
-                sum += sum_of_lanes(p);
-                const __m256bh rounded = _mm512_cvtneps_pbh((__m512)p);
-                memcpy(weights[r] + s * SUB, &rounded, sizeof rounded);
-            }
-            denominator[r] = denominator[r] * correction + sum;
-            running_max[r] = new_max;
+            const float correction = softmax_tile_row(tile_scores, lane_max, &running_max[r], &denominator[r],
+                                                      weights[r]);
             if (correction != 1.f)
                 for (int d = 0; d < chunks; d++) acc[r][d] = _mm512_mul_ps(acc[r][d], _mm512_set1_ps(correction));
         }
@@ -170,7 +186,7 @@ static inline __attribute__((always_inline)) void attend_item(const Chunk *c, in
     }
     for (int r = 0; r < n; r++) {
         const int64_t x = x0 + r, token = x / group, head = (int64_t)h * group + x % group;
-        const float inverse = 1.f / denominator[r];
+        const float inverse = 1.f / sum_of_lanes(denominator[r]);
         float result[MAX_DIM_CHUNKS * LANES];
         for (int d = 0; d < chunks; d++) _mm512_storeu_ps(result + d * LANES, _mm512_mul_ps(acc[r][d], _mm512_set1_ps(inverse)));
         store_row(result, DTYPE_BFLOAT16, (char *)(c->out + (token * c->num_heads + head) * head_dim), head_dim);
@@ -248,23 +264,8 @@ static void attend_item_amx(const Chunk *c, int h, int64_t x0, int n)
                 }
                 lane_max = (vfloat)_mm512_max_ps((__m512)lane_max, (__m512)tile_scores[s]);
             }
-            const float tile_max = max_of_lanes(lane_max);
-            if (tile_max == -INFINITY) { /* nothing of this tile is seen by this vector */
-                memset(weights[r], 0, sizeof weights[r]);
-                continue;
-            }
-            const float new_max = tile_max > running_max[r] ? tile_max : running_max[r];
-            const float correction = softmax_rescale(running_max[r], new_max);
-            vfloat sum = {0};
-            for (int s = 0; s < TILE / SUB; s++) {
-                const vfloat p = exp_lanes(tile_scores[s] - new_max);
-                sum += p;
-                const __m256bh rounded = _mm512_cvtneps_pbh((__m512)p);
-                memcpy(weights[r] + s * SUB, &rounded, sizeof rounded);
-            }
-            /* the denominators add lane by lane, reduced once at the end */
-            denominator[r] = denominator[r] * correction + sum;
-            running_max[r] = new_max;
+            const float correction = softmax_tile_row(tile_scores, lane_max, &running_max[r], &denominator[r],
+                                                      weights[r]);
             if (correction != 1.f)
                 for (int d = 0; d < head_dim; d += LANES)
                     _mm512_storeu_ps(sums[r] + d, _mm512_mul_ps(_mm512_loadu_ps(sums[r] + d), _mm512_set1_ps(correction)));

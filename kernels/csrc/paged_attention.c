@@ -109,11 +109,6 @@ static inline int64_t tile_offset(const Batch *b, int seq, int kv_head, int star
            + (start % b->block_size) * position_stride + (int64_t)kv_head * head_dim;
 }
 
-/* How far a score may exceed the running maximum it is exponentiated against before the
- * softmax moves that maximum up: e^8 keeps every term and sum far inside float32's range, and
- * tiles whose scores stay under it skip finding their maximum and rescaling. */
-#define RESCALE_MARGIN 8.f
-
 /* scores[x] = the dot products of query vector q[x] with the tile's 16 key rows `keys`, for the
  * rows x that see some of the tile's positions (from `start`: [first[x], visible[x])). */
 static inline __attribute__((always_inline)) void dot_tile(

@@ -284,6 +284,11 @@ static inline vfloat swiglu_lanes(vfloat gate, vfloat up, int dtype)
     return round_lanes(gate / (1.f + exp_lanes(-gate)), dtype) * up;
 }
 
+/* How far a score may exceed the running maximum an online softmax exponentiates against
+ * before that maximum moves up: e^8 keeps every term and sum far inside float32's range, and
+ * tiles whose scores stay under it skip finding their maximum and rescaling. */
+#define RESCALE_MARGIN 8.f
+
 /* e^(old_max - new_max), the factor an online softmax's sums shrink by when its running maximum
  * rises from old_max to new_max: 0 where nothing was seen yet (old_max -inf), and 1 without
  * computing it where the maximum stayed, as it does on most tiles of a long context. */

@@ -1,7 +1,8 @@
 """The chunk attention (``kernels.cpu_attention.chunk_attention``) equals float64 attention on
 the same values within what its roundings allow, in each build this CPU runs: the kernels' own
 (for bfloat16, AMX tiles where the CPU has AMX, ``vdpbf16ps`` where it has AVX512-BF16, float32
-arithmetic otherwise) and an AVX2 build (float32 arithmetic whatever the dtypes).
+arithmetic otherwise), an AVX2 build (float32 arithmetic whatever the dtypes) and, on a CPU with
+AVX512-BF16, a build of it without AMX (``vdpbf16ps``).
 
 In bfloat16 the scores are exact products summed in float32; the bfloat16 kernel rounds the
 probabilities to bfloat16 (relative error at most 2^-9 each, so the weighted sum of values moves by
@@ -19,12 +20,14 @@ from strata.kernels import cpu_attention, cpu_features, native
 
 BLOCK_SIZE = 16
 AVX2 = "x86-64-v3"
+AVX512_BF16 = "cooperlake"  # AVX512-BF16 without AMX
 SOURCES = [native.SOURCE_DIR / "chunk_attention.c", native.SOURCE_DIR / "chunk_attention_avx512bf16.c"]
 
 
-@pytest.fixture(params=["native", AVX2], scope="module")
+@pytest.fixture(params=["native", AVX2, AVX512_BF16], scope="module")
 def build(request, tmp_path_factory) -> None:
-    """Each build this CPU runs: the kernels' own, then an AVX2 one of the chunk kernels."""
+    """Each build this CPU runs: the kernels' own, then an AVX2 one of the chunk kernels and an
+    AVX512-BF16 one without AMX."""
     if native.load_library() is None:
         pytest.skip("no C kernels on this machine")
     if request.param == "native":
@@ -32,10 +35,13 @@ def build(request, tmp_path_factory) -> None:
         return
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
-    output = tmp_path_factory.mktemp("chunk-builds") / "chunk-avx2.so"
-    native.compile_library("cc", native.flags_for(AVX2), output, SOURCES)
-    library = native.declare_signatures(ctypes.CDLL(str(output)), ["chunk_attention", "chunk_attention_bf16_body"])
-    assert library.chunk_attention_bf16_body() == 0
+    if request.param == AVX512_BF16 and "avx512_bf16" not in cpu_features.cpu_flags():
+        pytest.skip("this CPU has no AVX512-BF16 to run that build")
+    output = tmp_path_factory.mktemp("chunk-builds") / f"chunk-{request.param}.so"
+    native.compile_library("cc", native.flags_for(request.param), output, SOURCES)
+    names = ["chunk_attention", "chunk_attention_bf16", "chunk_attention_bf16_body"]
+    library = native.declare_signatures(ctypes.CDLL(str(output)), names)
+    assert library.chunk_attention_bf16_body() == (0 if request.param == AVX2 else 1)
     patch = pytest.MonkeyPatch()
     patch.setattr(native, "load_library", lambda: library)
     yield
@@ -99,6 +105,23 @@ def test_chunk_attention_equals_float64_attention_within_its_roundings(
     assert_within_roundings(out, expected_attention(cache, blocks, query, context, 0.125, sliding_window), cache[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_scores_rising_past_the_rescale_margin_tile_after_tile_are_attended_within_its_roundings(build, dtype):
+    # Keys along the queries' direction, longer with position: a tile's scores exceed the
+    # previous tile's by about 13, so every tile moves each row's reference maximum up and
+    # rescales what the row has summed so far.
+    rows, context = 96, 400
+    cache, blocks, query = paged_chunk(rows, context, 9, 3, 64, dtype)
+    positions = torch.arange(context, dtype=torch.float32)
+    ramp = (positions / 40)[:, None, None] + 0.1 * torch.randn(context, 3, 64, generator=torch.Generator().manual_seed(1))
+    for p in range(context):
+        cache[0, blocks[p // BLOCK_SIZE], p % BLOCK_SIZE] = ramp[p].to(dtype)
+    query = (1 + 0.1 * torch.randn(rows, 9, 64, generator=torch.Generator().manual_seed(2))).to(dtype)
+    out = torch.empty(rows, 9, 64, dtype=dtype)
+    assert cpu_attention.chunk_attention(query, cache, blocks, context, 0.125, out)
+    assert_within_roundings(out, expected_attention(cache, blocks, query, context, 0.125), cache[1])
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bfloat16", "float8"])
 def test_a_float32_query_over_a_narrower_cache_is_attended_in_float32(build, cache_dtype):
     cache, blocks, query = paged_chunk(80, 200, 6, 2, 64, torch.float32)
@@ -141,9 +164,10 @@ def test_chunks_the_kernel_does_not_take_are_left_untouched(build, what):
 
 
 def test_the_logged_body_for_long_chunks_follows_the_build_and_the_cpus_flags(build, request) -> None:
-    flags = cpu_features.cpu_flags()
+    flags, built_for = cpu_features.cpu_flags(), request.node.callspec.params["build"]
     expected = (
-        "float32 arithmetic" if request.node.callspec.params["build"] == AVX2
+        "float32 arithmetic" if built_for == AVX2
+        else "AVX512-BF16 dot products" if built_for == AVX512_BF16
         else "AMX tiles" if {"amx_tile", "amx_bf16"} <= flags
         else "AVX512-BF16 dot products" if "avx512_bf16" in flags
         else "float32 arithmetic"
