@@ -216,6 +216,6 @@ def _check_rows(x: torch.Tensor, matrix: QuantizedMatrix) -> None:
 
 def _raise_for(status: int) -> None:
     if status == _NO_MEMORY:
-        raise MemoryError("the quantized linear could not allocate its int16 copy of the activations")
+        raise MemoryError("the quantized linear could not allocate its working copy (activations or gate/up outputs)")
     if status in (_UNSUPPORTED_TYPE, _BAD_SHAPE):
         raise ValueError("no kernel takes this block type and row length")  # QuantizedMatrix checks first

@@ -94,8 +94,6 @@ static inline __m512bh pair_of(const uint16_t *p)
     return (__m512bh)_mm512_set1_epi32(bits);
 }
 
-/* One item: query vectors x0 .. x0 + n - 1 of KV head h (vector x: token x / group, query head
- * h * group + x % group). */
 /* One query vector's online softmax over a tile: its scores (TILE / SUB vectors, -inf where it
  * does not see the position) and their lane-by-lane maximum. The terms e^(score - reference)
  * go to `weights` in bfloat16 (zeros while the vector has seen nothing) and are added lane by
@@ -126,6 +124,8 @@ static inline __attribute__((always_inline)) float softmax_tile_row(const vfloat
     return correction;
 }
 
+/* One item: query vectors x0 .. x0 + n - 1 of KV head h (vector x: token x / group, query head
+ * h * group + x % group). */
 static inline __attribute__((always_inline)) void attend_item(const Chunk *c, int h, int64_t x0, int n,
                                                               const int chunks)
 {

@@ -3,9 +3,9 @@
     python -m strata.launch.bench.step_profile [--num-prompts 1] [--input-len 40] [--output-len 128]
 
 The prompts are ``strata bench throughput``'s, each ``--input-len`` tokens long. Runs them once
-untimed, once timing only the decode steps, then again with wall-clock timers around the parts of a step (no profiler: its per-call
-cost would distort a step made of many small calls) and prints a Markdown table of milliseconds
-per step. The parts nest: the decoder holds the fused layers (all in one call on a rank alone in
+untimed, once timing only the decode steps, then again with wall-clock timers around the parts
+of a step (no profiler: its per-call cost would distort a step made of many small calls) and
+prints a Markdown table of milliseconds per step. The parts nest: the decoder holds the fused layers (all in one call on a rank alone in
 its group, else a call per half; decode steps of few rows,
 ``kernels/cpu_decoder_layer.py``) and the linears of the module path (steps with more rows);
 whatever a part does not name is its "rest" row.
