@@ -14,6 +14,11 @@ A step of at most ``stream_rows`` rows streams (and Llama layers then run as two
 measured at start on a slice of the model's own largest linear: the largest row count of
 ``CANDIDATE_ROWS`` up to which streaming is no slower than the GEMM. Every tensor-parallel rank
 adds up the same timings, so all ranks choose alike.
+
+The two paths round differently, so a crossover moved by a noisy timing changes the bits a step
+computes, and with them a sampled token at a near tie. A single-rank process therefore measures
+each crossover once and every engine it starts later reuses it: two engines of one process on
+the same weights compute alike (the test of drafts against no drafts relies on it).
 """
 
 import time
@@ -36,6 +41,9 @@ SAMPLE_FEATURES = 1024  # output features of the timed slice: the per-weight cos
 TIMED_REPEATS = 5
 
 PlannedLinear = ColumnParallelLinear | RowParallelLinear | ParallelLMHead  # the layers a plan applies to
+Crossover = tuple[int, list[tuple[int, float, float]]]  # (rows, [(rows, small s, large s), ...])
+
+_measured: dict[tuple, Crossover] = {}  # this process's single-rank crossovers, by what was timed
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,11 @@ def plan_cpu_linears(
     if weight is None:
         return CpuLinearPlan(gemm_dtype, packed, 0, f"{why}; no linear can be streamed")
     sample = weight[:SAMPLE_FEATURES].contiguous()
-    stream_rows, timings = measure_crossover(sample, gemm_dtype, packed, tp)
+    stream_rows, timings = _measured_once(
+        ("bfloat16 streamed", tuple(sample.shape), gemm_dtype, packed),
+        tp,
+        lambda: measure_crossover(sample, gemm_dtype, packed, tp),
+    )
     measured = ", ".join(f"{rows}: {stream * 1e6:.0f}/{gemm * 1e6:.0f}" for rows, stream, gemm in timings)
     return CpuLinearPlan(
         gemm_dtype, packed, stream_rows, f"{why}; us streamed/GEMM by rows on {list(sample.shape)}: {measured}"
@@ -94,7 +106,7 @@ def plan_cpu_linears(
 
 def measure_crossover(
     weight: torch.Tensor, gemm_dtype: torch.dtype, packed: bool, tp: TensorParallel
-) -> tuple[int, list[tuple[int, float, float]]]:
+) -> Crossover:
     """The largest of ``CANDIDATE_ROWS`` up to which streaming ``weight`` (bfloat16) is no slower
     than the GEMM on its ``gemm_dtype`` copy (``packed`` or not), with the (rows, stream s, GEMM s)
     timings summed over the ranks of ``tp``."""
@@ -117,7 +129,7 @@ def _crossover(
     small: Callable[[torch.Tensor], object],
     large: Callable[[torch.Tensor], object],
     tp: TensorParallel,
-) -> tuple[int, list[tuple[int, float, float]]]:
+) -> Crossover:
     """The row count (one of ``candidates``, or 0) up to which ``small`` on that many random rows
     of ``features`` values is no slower than ``large`` and past which it is slower, with the
     (rows, small s, large s) timings summed over the ranks of ``tp`` (so that every rank chooses
@@ -177,13 +189,17 @@ def plan_quantized_linears(model: nn.Module, dtype: torch.dtype, tp: TensorParal
     for code, (part, in_features) in sorted(largest.items()):
         slice_ = gguf_linear.QuantizedPart(part.data[:SAMPLE_FEATURES].contiguous(), part.type)
         sample = gguf_linear.QuantizedMatrix([slice_], in_features)
-        crossover, timings = _crossover(
-            QUANTIZED_CANDIDATE_ROWS,
-            in_features,
-            dtype,
-            lambda x: gguf_linear.linear(x, sample),
-            lambda x: F.linear(x, gguf_linear.dequantize(sample, dtype)),
+        crossover, timings = _measured_once(
+            ("gguf blocks", code, tuple(slice_.data.shape), in_features, dtype),
             tp,
+            lambda: _crossover(
+                QUANTIZED_CANDIDATE_ROWS,
+                in_features,
+                dtype,
+                lambda x: gguf_linear.linear(x, sample),
+                lambda x: F.linear(x, gguf_linear.dequantize(sample, dtype)),
+                tp,
+            ),
         )
         # A dequantization reads the blocks and writes 2-4x their bytes: at one row it cannot win,
         # and where timings on a busy machine say otherwise they are noise.
@@ -235,6 +251,17 @@ def _largest_streamable_weight(model: nn.Module) -> torch.Tensor | None:
         and cpu_linear.supports_weight(module.weight)
     ]
     return max(weights, key=torch.Tensor.numel, default=None)
+
+
+def _measured_once(key: tuple, tp: TensorParallel, measure: Callable[[], Crossover]) -> Crossover:
+    """``measure()``, or on a single rank what it gave the last time this process timed ``key``.
+    Ranks of a group always measure: each takes part in the sum of the timings, and one cannot
+    know whether the others measured before."""
+    if tp.size > 1:
+        return measure()
+    if key not in _measured:
+        _measured[key] = measure()
+    return _measured[key]
 
 
 def _fastest_seconds(run: Callable[[], object]) -> float:

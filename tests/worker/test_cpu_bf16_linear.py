@@ -138,6 +138,19 @@ def test_other_models_have_no_plan(dtype: torch.dtype, device: str, checkpoint: 
     assert plan_cpu_linears("float32", load_ours(checkpoint), dtype, device, SINGLE_RANK) is None
 
 
+def test_a_later_plan_of_the_process_reuses_the_measured_crossover_rather_than_timing_anew(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = load_model(checkpoint, torch.bfloat16, SINGLE_RANK, get_attention_backend(None, CPU), CPU)
+    first = plan_cpu_linears("float32", model, torch.bfloat16, "cpu", SINGLE_RANK)
+
+    def timing(run) -> float:
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(cpu_linear_plan, "_fastest_seconds", timing)
+    assert plan_cpu_linears("float32", model, torch.bfloat16, "cpu", SINGLE_RANK) == first
+
+
 def test_unknown_mode_is_rejected_naming_the_field(checkpoint: Path) -> None:
     with pytest.raises(ValueError, match="cpu_bf16_linear"):
         plan_cpu_linears("fp16", load_ours(checkpoint), torch.bfloat16, "cpu", SINGLE_RANK)

@@ -12,12 +12,14 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from strata.kernels import cpu_attention, cpu_linear, gguf_linear, native
+from strata.worker import cpu_linear_plan
 from strata.worker.attention import CpuAttentionBackend
+from strata.worker.cpu_linear_plan import plan_quantized_linears
 from strata.worker.gguf_weights import GgufTensor
 from strata.worker.llama import LlamaForCausalLM
 from strata.worker.model_loader import quantized_weights_file, resolve_model_path
 
-from worker_helpers import PagedRunner, count_calls, greedy_decode, load_gguf_blocks
+from worker_helpers import SINGLE_RANK, PagedRunner, count_calls, greedy_decode, load_gguf_blocks
 
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the CPU kernels")
 
@@ -57,6 +59,19 @@ FUSED_ROWS = 4 * cpu_linear.MAX_ROWS
 @pytest.fixture(scope="module")
 def default_model() -> Iterator[LlamaForCausalLM]:
     yield load_gguf_blocks(None, block_rows=FUSED_ROWS)
+
+
+def test_a_later_engine_of_the_process_reuses_the_measured_crossovers_rather_than_timing_anew(
+    default_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Re-timed, a crossover may move with the machine's noise and the bits of a step with it.
+    first = plan_quantized_linears(default_model, torch.float32, SINGLE_RANK)
+
+    def timing(run) -> float:
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(cpu_linear_plan, "_fastest_seconds", timing)
+    assert plan_quantized_linears(default_model, torch.float32, SINGLE_RANK) == first
 
 
 def test_the_linears_blocks_are_the_converted_weights(default_model: LlamaForCausalLM) -> None:
