@@ -190,7 +190,7 @@ def plan_quantized_linears(model: nn.Module, dtype: torch.dtype, tp: TensorParal
         slice_ = gguf_linear.QuantizedPart(part.data[:SAMPLE_FEATURES].contiguous(), part.type)
         sample = gguf_linear.QuantizedMatrix([slice_], in_features)
         crossover, timings = _measured_once(
-            ("gguf blocks", code, tuple(slice_.data.shape), in_features, dtype),
+            ("gguf blocks", part.type, tuple(slice_.data.shape), in_features, dtype),
             tp,
             lambda: _crossover(
                 QUANTIZED_CANDIDATE_ROWS,
