@@ -20,7 +20,16 @@
 #include "kernels.h"
 #include "vector_math.h"
 
-enum { TILE = 64, SUBTILES = TILE / LANES, MAX_ROWS = 4, MAX_DIM = 256, GROUPS = 16 };
+enum { TILE = 64, SUBTILES = TILE / LANES, MAX_DIM = 256, GROUPS = 16 };
+/* The query vectors of a row group, by head size. On AVX-512 a group's sums stay in registers
+ * whole, 16 of them; AVX2's loops keep one 16-lane slice of every row's sums in registers at a
+ * time, so its rows need not shrink as the head grows: 6 rows' slices are 12 of its 16
+ * registers, beside the 2 loaded vectors and a broadcast, for 8 loads every 12 FMAs. */
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+enum { ROWS_64 = 6, ROWS_128 = 6, ROWS_256 = 6, MAX_ROWS = 6 };
+#else
+enum { ROWS_64 = 4, ROWS_128 = 2, ROWS_256 = 1, MAX_ROWS = 4 };
+#endif
 
 typedef struct {
     const char *query;
@@ -71,16 +80,22 @@ typedef struct {
  * 30x slower). Here each loop keeps one 16-position (or 16-dimension) slice of every row's sums
  * in registers, as pairs of AVX2 vectors, adding in the same order. */
 
-/* scores[r][s]: query vector r's dot products with the tile's positions s * 16 .. s * 16 + 15. */
+/* GCC folds a loaded vector into each FMA that uses it, loading it again per row: with the
+ * row's broadcast that is 1.5 loads an FMA, more than the core issues. An empty asm taking the
+ * vectors in registers makes them loaded once. */
+#define KEEP_IN_REGISTERS(a, b) __asm__("" : "+x"(a), "+x"(b))
+
+/* scores[r][i]: query vector r's dot products with the tile's positions i * 8 .. i * 8 + 7. */
 static inline __attribute__((always_inline)) void avx2_tile_scores(
-    const Query *query, const float *key_tile, const int rows, const int head_dim, vfloat scores[MAX_ROWS][SUBTILES])
+    const Query *query, const float *key_tile, const int rows, const int head_dim, __m256 scores[MAX_ROWS][TILE / 8])
 {
     for (int s = 0; s < SUBTILES; s++) {
         __m256 sum[MAX_ROWS][2];
         for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
         for (int d = 0; d < head_dim; d++) {
             const float *keys = key_tile + (s * head_dim + d) * LANES;
-            const __m256 low = _mm256_loadu_ps(keys), high = _mm256_loadu_ps(keys + 8);
+            __m256 low = _mm256_loadu_ps(keys), high = _mm256_loadu_ps(keys + 8);
+            KEEP_IN_REGISTERS(low, high);
             for (int r = 0; r < rows; r++) {
                 const __m256 q = _mm256_broadcast_ss(&query[r].q[d]);
                 sum[r][0] = _mm256_fmadd_ps(q, low, sum[r][0]);
@@ -88,10 +103,50 @@ static inline __attribute__((always_inline)) void avx2_tile_scores(
             }
         }
         for (int r = 0; r < rows; r++) {
-            _mm256_storeu_ps((float *)&scores[r][s], sum[r][0]);
-            _mm256_storeu_ps((float *)&scores[r][s] + 8, sum[r][1]);
+            scores[r][2 * s] = sum[r][0];
+            scores[r][2 * s + 1] = sum[r][1];
         }
     }
+}
+
+/* softmax_row's work in AVX2's own registers (GCC moved 16-lane values through general
+ * registers and the stack), scores as 8-lane halves. */
+static inline __attribute__((always_inline)) float avx2_softmax_row(Query *v, __m256 scores[TILE / 8], int64_t tile,
+                                                                    int masked, float weights[TILE])
+{
+    if (masked) {
+        const __m256i first = _mm256_set1_epi32((int)v->first), visible = _mm256_set1_epi32((int)v->visible);
+        for (int i = 0; i < TILE / 8; i++) {
+            const __m256i position = _mm256_add_epi32(_mm256_set1_epi32((int)tile + 8 * i),
+                                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            const __m256i hidden = _mm256_or_si256(_mm256_cmpgt_epi32(first, position),
+                                                   _mm256_cmpgt_epi32(visible, position) ^ _mm256_set1_epi32(-1));
+            scores[i] = _mm256_blendv_ps(scores[i], _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(hidden));
+        }
+    }
+    __m256 lane_max = scores[0];
+    for (int i = 1; i < TILE / 8; i++) lane_max = _mm256_max_ps(scores[i], lane_max);
+    float correction = 1.f;
+    if (_mm256_movemask_ps(_mm256_cmp_ps(lane_max, _mm256_set1_ps(v->running_max + RESCALE_MARGIN), _CMP_GT_OQ))) {
+        const float tile_max = max_of_8(lane_max);
+        correction = softmax_rescale(v->running_max, tile_max);
+        v->denominator *= correction;
+        v->running_max = tile_max;
+    }
+    if (v->running_max == -INFINITY) {
+        memset(weights, 0, sizeof(float) * TILE);
+        return correction;
+    }
+    const __m256 reference = _mm256_set1_ps(v->running_max);
+    __m256 sums[2];
+    memcpy(sums, &v->denominator, sizeof sums);
+    for (int i = 0; i < TILE / 8; i++) {
+        const __m256 p = exp8(_mm256_sub_ps(scores[i], reference));
+        sums[i % 2] = _mm256_add_ps(sums[i % 2], p);
+        _mm256_store_ps(weights + 8 * i, p);
+    }
+    memcpy(&v->denominator, sums, sizeof sums);
+    return correction;
 }
 
 /* acc[r * chunks + d] += the tile's value rows weighted by weights[r], 16 dimensions at a time. */
@@ -108,7 +163,8 @@ static inline __attribute__((always_inline)) void avx2_add_tile_values(
         }
         for (int p = 0; p < TILE; p++) {
             const float *values = value_tile + p * head_dim + d * LANES;
-            const __m256 low = _mm256_loadu_ps(values), high = _mm256_loadu_ps(values + 8);
+            __m256 low = _mm256_loadu_ps(values), high = _mm256_loadu_ps(values + 8);
+            KEEP_IN_REGISTERS(low, high);
             for (int r = 0; r < rows; r++) {
                 const __m256 w = _mm256_broadcast_ss(&weights[r][p]);
                 sum[r][0] = _mm256_fmadd_ps(w, low, sum[r][0]);
@@ -123,6 +179,45 @@ static inline __attribute__((always_inline)) void avx2_add_tile_values(
 }
 #endif
 
+#if !defined(VECTORS_ARE_AVX2_PAIRS)
+/* Query vector v's online softmax over a tile: its scores (-inf set here where it does not see
+ * the position, if the tile is `masked`) go to `weights` as e^(score - reference) (zeros while
+ * the vector has seen nothing), added lane by lane into its denominator. The reference
+ * (running_max) moves up only when a score exceeds it by more than RESCALE_MARGIN, as in the
+ * decode kernel: most tiles of a long context then skip finding their maximum. Returns the
+ * factor the value sums so far must be scaled by (1 where the reference stayed), the
+ * denominator already scaled. */
+static inline __attribute__((always_inline)) float softmax_row(Query *v, vfloat scores[SUBTILES], int64_t tile,
+                                                               int masked, float weights[TILE])
+{
+    if (masked)
+        for (int s = 0; s < SUBTILES; s++) {
+            const vint position = LANE_INDEX + (int)(tile + s * LANES);
+            const vint seen = (position < (int)v->visible) & (position >= (int)v->first);
+            scores[s] = select_lanes(seen, scores[s], (vfloat){0} - INFINITY);
+        }
+    vfloat lane_max = scores[0];
+    for (int s = 1; s < SUBTILES; s++) lane_max = max_lanes(scores[s], lane_max);
+    float correction = 1.f;
+    if (any_lane_above(lane_max, v->running_max + RESCALE_MARGIN)) {
+        const float tile_max = max_of_lanes(lane_max);
+        correction = softmax_rescale(v->running_max, tile_max);
+        v->denominator *= correction;
+        v->running_max = tile_max;
+    }
+    if (v->running_max == -INFINITY) {
+        memset(weights, 0, sizeof(float) * TILE);
+        return correction;
+    }
+    for (int s = 0; s < SUBTILES; s++) {
+        const vfloat p = exp_lanes(scores[s] - v->running_max);
+        v->denominator += p;
+        memcpy(weights + s * LANES, &p, sizeof p);
+    }
+    return correction;
+}
+#endif
+
 /* Scores, online softmax and value sums of `rows` query vectors over one tile of TILE positions,
  * with `acc` the rows x chunks sums (chunks = head_dim / LANES). Inlined where rows and chunks are
  * constants and `acc` a local array indexed only by them, so that the sums stay in registers. */
@@ -131,10 +226,14 @@ static inline __attribute__((always_inline)) void attend_tile(Query *query, cons
                                                               const int rows, const int chunks, vfloat *acc)
 {
     const int head_dim = chunks * LANES;
-    vfloat scores[MAX_ROWS][SUBTILES];
+    float weights[MAX_ROWS][TILE] __attribute__((aligned(64)));
+    float correction[MAX_ROWS];
 #if defined(VECTORS_ARE_AVX2_PAIRS)
+    __m256 scores[MAX_ROWS][TILE / 8];
     avx2_tile_scores(query, key_tile, rows, head_dim, scores);
+    for (int r = 0; r < rows; r++) correction[r] = avx2_softmax_row(&query[r], scores[r], tile, masked, weights[r]);
 #else
+    vfloat scores[MAX_ROWS][SUBTILES];
     for (int r = 0; r < rows; r++)
         for (int s = 0; s < SUBTILES; s++) scores[r][s] = (vfloat){0};
     for (int d = 0; d < head_dim; d++)
@@ -143,36 +242,11 @@ static inline __attribute__((always_inline)) void attend_tile(Query *query, cons
             memcpy(&k, key_tile + (s * head_dim + d) * LANES, sizeof k);
             for (int r = 0; r < rows; r++) scores[r][s] += query[r].q[d] * k;
         }
+    for (int r = 0; r < rows; r++) correction[r] = softmax_row(&query[r], scores[r], tile, masked, weights[r]);
 #endif
-    float weights[MAX_ROWS][TILE] __attribute__((aligned(64)));
-    for (int r = 0; r < rows; r++) {
-        Query *v = &query[r];
-        if (masked)
-            for (int s = 0; s < SUBTILES; s++) {
-                const vint position = LANE_INDEX + (int)(tile + s * LANES);
-                const vint seen = (position < (int)v->visible) & (position >= (int)v->first);
-                scores[r][s] = select_lanes(seen, scores[r][s], (vfloat){0} - INFINITY);
-            }
-        vfloat lane_max = scores[r][0];
-        for (int s = 1; s < SUBTILES; s++) lane_max = select_lanes(scores[r][s] > lane_max, scores[r][s], lane_max);
-        const float tile_max = max_of_lanes(lane_max);
-        if (tile_max == -INFINITY) { /* nothing of this tile is seen by this vector */
-            memset(weights[r], 0, sizeof weights[r]);
-            continue;
-        }
-        const float new_max = tile_max > v->running_max ? tile_max : v->running_max;
-        const float correction = softmax_rescale(v->running_max, new_max);
-        vfloat sum = {0};
-        for (int s = 0; s < SUBTILES; s++) {
-            const vfloat p = exp_lanes(scores[r][s] - new_max);
-            sum += p;
-            memcpy(weights[r] + s * LANES, &p, sizeof p);
-        }
-        v->denominator = v->denominator * correction + sum;
-        v->running_max = new_max;
-        if (correction != 1.f)
-            for (int d = 0; d < chunks; d++) acc[r * chunks + d] *= correction;
-    }
+    for (int r = 0; r < rows; r++)
+        if (correction[r] != 1.f)
+            for (int d = 0; d < chunks; d++) acc[r * chunks + d] *= correction[r];
 #if defined(VECTORS_ARE_AVX2_PAIRS)
     avx2_add_tile_values(weights, value_tile, rows, chunks, acc);
 #else
@@ -240,13 +314,13 @@ static inline __attribute__((always_inline)) void attend_item(const Chunk *c, in
 }
 
 #define ATTEND(ROWS, CHUNKS)                                                           \
-    static void attend_##ROWS##x##CHUNKS(const Chunk *c, int h, int64_t x0, int n)     \
+    static void attend_##CHUNKS##_chunks(const Chunk *c, int h, int64_t x0, int n)     \
     {                                                                                  \
         attend_item(c, h, x0, n, ROWS, CHUNKS);                                        \
     }
-ATTEND(4, 4)
-ATTEND(2, 8)
-ATTEND(1, 16)
+ATTEND(ROWS_64, 4)
+ATTEND(ROWS_128, 8)
+ATTEND(ROWS_256, 16)
 
 /* Any other head size (a multiple of LANES up to MAX_DIM), one vector per row group. */
 static void attend_any(const Chunk *c, int h, int64_t x0, int n) { attend_item(c, h, x0, n, 1, c->head_dim / LANES); }
@@ -280,9 +354,11 @@ int chunk_attention(const char *query, int64_t query_token_stride, int64_t query
         .context = context, .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
         .sliding_window = sliding_window, .scale = scale, .out = out,
     };
-    void (*attend)(const Chunk *, int, int64_t, int) = head_dim == 64 ? attend_4x4 : head_dim == 128 ? attend_2x8
-                                                       : head_dim == 256 ? attend_1x16 : attend_any;
-    const int item = GROUPS * (head_dim == 64 ? 4 : head_dim == 128 ? 2 : 1);
+    void (*attend)(const Chunk *, int, int64_t, int) = head_dim == 64    ? attend_4_chunks
+                                                       : head_dim == 128 ? attend_8_chunks
+                                                       : head_dim == 256 ? attend_16_chunks
+                                                                         : attend_any;
+    const int item = GROUPS * (head_dim == 64 ? ROWS_64 : head_dim == 128 ? ROWS_128 : head_dim == 256 ? ROWS_256 : 1);
     const int64_t vectors = rows * (num_heads / num_kv_heads), items = (vectors + item - 1) / item;
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
     for (int64_t i = 0; i < items * num_kv_heads; i++) {

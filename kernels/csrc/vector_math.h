@@ -225,6 +225,36 @@ static inline vfloat exp_near_zero(vfloat r)
     return poly * r + 1.f;
 }
 
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+/* exp_lanes's steps for 8 lanes in one of AVX2's own registers: GCC turned the 16-lane clamps
+ * and selects into a compare and a move per lane (the AVX2 build's silu_and_mul 1.3-1.4x faster
+ * without them), and its 16-lane values through the stack. exp_near_zero's products and sums
+ * are the FMAs GCC contracts them to, so the bits are the same. */
+static inline __m256 exp8(__m256 x)
+{
+    /* max and min return their second operand where either is NaN: a NaN stays a NaN. */
+    const __m256 clamped = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f),
+                                      _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), clamped));
+    static const float taylor[] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+    __m256 poly = _mm256_set1_ps(1.f / 5040.f);
+    for (int i = 0; i < 7; i++) poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(taylor[i]));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+    return _mm256_andnot_ps(underflow, _mm256_mul_ps(poly, _mm256_castsi256_ps(scale)));
+}
+
+/* The largest of 8 lanes. */
+static inline float max_of_8(__m256 v)
+{
+    __m128 four = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    four = _mm_max_ps(_mm_movehl_ps(four, four), four);
+    return _mm_cvtss_f32(_mm_max_ps(_mm_movehdup_ps(four), four));
+}
+#endif
+
 /* e^x lane by lane to about 2 ulp, 0 below the float range (-inf included): e^x = 2^n e^r with n
  * the nearest integer to x / ln(2). libm's expf would not vectorise without -ffast-math. */
 static inline vfloat exp_lanes(vfloat x)
@@ -238,30 +268,11 @@ static inline vfloat exp_lanes(vfloat x)
     const vfloat r = clamped - n * 0.693145751953125f - n * 1.428606765330187e-06f;
     return (vfloat)_mm512_maskz_scalef_ps(in_range, (__m512)exp_near_zero(r), (__m512)n);
 #elif defined(VECTORS_ARE_AVX2_PAIRS)
-    /* The same steps on AVX2's own registers: GCC turned the 16-lane clamps and selects below into
-     * a compare and a move per lane (the AVX2 build's silu_and_mul 1.3-1.4x faster without them). */
-    __m256 halves[2], n[2], r[2];
+    __m256 halves[2];
     memcpy(halves, &x, sizeof halves);
-    for (int h = 0; h < 2; h++) {
-        /* max and min return their second operand where either is NaN: a NaN stays a NaN. */
-        const __m256 clamped = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), halves[h]));
-        n[h] = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        r[h] = _mm256_fnmadd_ps(n[h], _mm256_set1_ps(1.428606765330187e-06f),
-                                _mm256_fnmadd_ps(n[h], _mm256_set1_ps(0.693145751953125f), clamped));
-    }
-    vfloat reduced;
-    memcpy(&reduced, r, sizeof reduced);
-    const vfloat near_zero = exp_near_zero(reduced);
-    __m256 powers[2];
-    memcpy(powers, &near_zero, sizeof powers);
-    for (int h = 0; h < 2; h++) {
-        const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n[h]), _mm256_set1_epi32(127)), 23);
-        const __m256 underflow = _mm256_cmp_ps(halves[h], _mm256_set1_ps(-87.f), _CMP_LT_OQ);
-        powers[h] = _mm256_andnot_ps(underflow, _mm256_mul_ps(powers[h], _mm256_castsi256_ps(scale)));
-    }
+    for (int h = 0; h < 2; h++) halves[h] = exp8(halves[h]);
     vfloat result;
-    memcpy(&result, powers, sizeof result);
+    memcpy(&result, halves, sizeof result);
     return result;
 #else
     const vfloat low = (vfloat){0} - 87.f, high = (vfloat){0} + 88.f, round = (vfloat){0} + 12582912.f;
@@ -316,8 +327,31 @@ static inline float sum_of_lanes(vfloat v)
     return v[0];
 }
 
+/* Lane by lane: a > b ? a : b. */
+static inline vfloat max_lanes(vfloat a, vfloat b)
+{
+#if defined(__AVX512F__)
+    return (vfloat)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(VECTORS_ARE_AVX2_PAIRS)
+    __m256 x[2], y[2];
+    memcpy(x, &a, sizeof x);
+    memcpy(y, &b, sizeof y);
+    for (int h = 0; h < 2; h++) x[h] = _mm256_max_ps(x[h], y[h]);
+    memcpy(&a, x, sizeof a);
+    return a;
+#else
+    return select_lanes(a > b, a, b);
+#endif
+}
+
 static inline float max_of_lanes(vfloat v)
 {
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+    /* GCC's 16-lane shuffles below go through the stack a lane at a time on AVX2. */
+    __m256 halves[2];
+    memcpy(halves, &v, sizeof halves);
+    return max_of_8(_mm256_max_ps(halves[1], halves[0]));
+#endif
     for (int width = LANES / 2; width >= 1; width /= 2) {
         vfloat other = swap_halves(v, width);
         v = select_lanes(other > v, other, v);
@@ -330,6 +364,13 @@ static inline int any_lane_above(vfloat v, float bound)
 {
 #if defined(__AVX512F__)
     return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(bound), _CMP_GT_OQ) != 0;
+#elif defined(VECTORS_ARE_AVX2_PAIRS)
+    /* The loop below reads the comparison's 16 lanes one at a time on AVX2. */
+    __m256 halves[2];
+    memcpy(halves, &v, sizeof halves);
+    const __m256 limit = _mm256_set1_ps(bound);
+    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(halves[0], limit, _CMP_GT_OQ),
+                                           _mm256_cmp_ps(halves[1], limit, _CMP_GT_OQ))) != 0;
 #else
     const vint above = v > bound;
     int any = 0;

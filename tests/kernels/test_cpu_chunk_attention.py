@@ -1,8 +1,9 @@
 """The chunk attention (``kernels.cpu_attention.chunk_attention``) equals float64 attention on
 the same values within what its roundings allow, in each build this CPU runs: the kernels' own
 (for bfloat16, AMX tiles where the CPU has AMX, ``vdpbf16ps`` where it has AVX512-BF16, float32
-arithmetic otherwise), an AVX2 build (float32 arithmetic whatever the dtypes) and, on a CPU with
-AVX512-BF16, a build of it without AMX (``vdpbf16ps``).
+arithmetic otherwise), an AVX2 build and a portable one (float32 arithmetic whatever the dtypes;
+the portable build runs the 16-lane code AVX-512 builds run, in narrower registers) and, on a CPU
+with AVX512-BF16, a build of it without AMX (``vdpbf16ps``).
 
 In bfloat16 the scores are exact products summed in float32; the bfloat16 kernel rounds the
 probabilities to bfloat16 (relative error at most 2^-9 each, so the weighted sum of values moves by
@@ -20,14 +21,15 @@ from strata.kernels import cpu_attention, cpu_features, native
 
 BLOCK_SIZE = 16
 AVX2 = "x86-64-v3"
+PORTABLE = "x86-64"
 AVX512_BF16 = "cooperlake"  # AVX512-BF16 without AMX
 SOURCES = [native.SOURCE_DIR / "chunk_attention.c", native.SOURCE_DIR / "chunk_attention_avx512bf16.c"]
 
 
-@pytest.fixture(params=["native", AVX2, AVX512_BF16], scope="module")
+@pytest.fixture(params=["native", AVX2, PORTABLE, AVX512_BF16], scope="module")
 def build(request, tmp_path_factory) -> None:
-    """Each build this CPU runs: the kernels' own, then an AVX2 one of the chunk kernels and an
-    AVX512-BF16 one without AMX."""
+    """Each build this CPU runs: the kernels' own, then an AVX2 one of the chunk kernels, a
+    portable one and an AVX512-BF16 one without AMX."""
     if native.load_library() is None:
         pytest.skip("no C kernels on this machine")
     if request.param == "native":
@@ -41,7 +43,7 @@ def build(request, tmp_path_factory) -> None:
     native.compile_library("cc", native.flags_for(request.param), output, SOURCES)
     names = ["chunk_attention", "chunk_attention_bf16", "chunk_attention_bf16_body"]
     library = native.declare_signatures(ctypes.CDLL(str(output)), names)
-    assert library.chunk_attention_bf16_body() == (0 if request.param == AVX2 else 1)
+    assert library.chunk_attention_bf16_body() == (0 if request.param in (AVX2, PORTABLE) else 1)
     patch = pytest.MonkeyPatch()
     patch.setattr(native, "load_library", lambda: library)
     yield
@@ -166,7 +168,7 @@ def test_chunks_the_kernel_does_not_take_are_left_untouched(build, what):
 def test_the_logged_body_for_long_chunks_follows_the_build_and_the_cpus_flags(build, request) -> None:
     flags, built_for = cpu_features.cpu_flags(), request.node.callspec.params["build"]
     expected = (
-        "float32 arithmetic" if built_for == AVX2
+        "float32 arithmetic" if built_for in (AVX2, PORTABLE)
         else "AVX512-BF16 dot products" if built_for == AVX512_BF16
         else "AMX tiles" if {"amx_tile", "amx_bf16"} <= flags
         else "AVX512-BF16 dot products" if "avx512_bf16" in flags
