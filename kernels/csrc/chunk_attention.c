@@ -74,6 +74,17 @@ typedef struct {
     vfloat denominator;
 } Query;
 
+/* v's online softmax takes a tile whose maximum `tile_max` exceeds its reference by more than
+ * RESCALE_MARGIN: the reference rises to it and the denominator shrinks to match. Returns the
+ * factor the value sums so far must be scaled by. */
+static inline float raise_reference(Query *v, float tile_max)
+{
+    const float correction = softmax_rescale(v->running_max, tile_max);
+    v->denominator *= correction;
+    v->running_max = tile_max;
+    return correction;
+}
+
 #if defined(VECTORS_ARE_AVX2_PAIRS)
 /* AVX2's registers are half a vector wide, and GCC built the portable loops' broadcasts of a
  * query or weight value through the stack one lane at a time, and spilled the rows' sums (about
@@ -126,13 +137,8 @@ static inline __attribute__((always_inline)) float avx2_softmax_row(Query *v, __
     }
     __m256 lane_max = scores[0];
     for (int i = 1; i < TILE / 8; i++) lane_max = _mm256_max_ps(scores[i], lane_max);
-    float correction = 1.f;
-    if (_mm256_movemask_ps(_mm256_cmp_ps(lane_max, _mm256_set1_ps(v->running_max + RESCALE_MARGIN), _CMP_GT_OQ))) {
-        const float tile_max = max_of_8(lane_max);
-        correction = softmax_rescale(v->running_max, tile_max);
-        v->denominator *= correction;
-        v->running_max = tile_max;
-    }
+    const __m256 above = _mm256_cmp_ps(lane_max, _mm256_set1_ps(v->running_max + RESCALE_MARGIN), _CMP_GT_OQ);
+    const float correction = _mm256_movemask_ps(above) ? raise_reference(v, max_of_8(lane_max)) : 1.f;
     if (v->running_max == -INFINITY) {
         memset(weights, 0, sizeof(float) * TILE);
         return correction;
@@ -198,13 +204,8 @@ static inline __attribute__((always_inline)) float softmax_row(Query *v, vfloat 
         }
     vfloat lane_max = scores[0];
     for (int s = 1; s < SUBTILES; s++) lane_max = max_lanes(scores[s], lane_max);
-    float correction = 1.f;
-    if (any_lane_above(lane_max, v->running_max + RESCALE_MARGIN)) {
-        const float tile_max = max_of_lanes(lane_max);
-        correction = softmax_rescale(v->running_max, tile_max);
-        v->denominator *= correction;
-        v->running_max = tile_max;
-    }
+    const float correction =
+        any_lane_above(lane_max, v->running_max + RESCALE_MARGIN) ? raise_reference(v, max_of_lanes(lane_max)) : 1.f;
     if (v->running_max == -INFINITY) {
         memset(weights, 0, sizeof(float) * TILE);
         return correction;

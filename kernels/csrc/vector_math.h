@@ -351,12 +351,13 @@ static inline float max_of_lanes(vfloat v)
     __m256 halves[2];
     memcpy(halves, &v, sizeof halves);
     return max_of_8(_mm256_max_ps(halves[1], halves[0]));
-#endif
+#else
     for (int width = LANES / 2; width >= 1; width /= 2) {
         vfloat other = swap_halves(v, width);
         v = select_lanes(other > v, other, v);
     }
     return v[0];
+#endif
 }
 
 /* Whether any lane of v is above `bound`. */
