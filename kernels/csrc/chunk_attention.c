@@ -10,8 +10,8 @@
  * pre-scaled), walks the context TILE positions at a time. On each tile every group in turn
  * computes its rows x TILE scores, updates its online softmax and adds the values into its
  * rows x head_dim float32 sums, held in registers meanwhile: the tile's keys and values come from
- * memory once per item and from L1 for the other groups. `rows` is chosen so that the sums fill
- * about half of AVX-512's registers (docs/attention.md).
+ * memory once per item and from L1 for the other groups. `rows` depends on the vector width
+ * (ROWS_*, below; docs/attention.md).
  */
 #include <stdint.h>
 #include <stdlib.h>
