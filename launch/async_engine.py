@@ -6,6 +6,7 @@ disconnect) aborts the request in the engine.
 """
 
 import asyncio
+import gc
 import itertools
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +59,7 @@ class AsyncEngine:
         config = await asyncio.to_thread(resolve, args)
         engine = cls(args, config)
         await engine.client.start(engine._on_output, engine._on_dead)
+        gc.freeze()  # the tokenizer and the engine's start-up objects: full collections skip them
         return engine
 
     @property

@@ -1,5 +1,6 @@
 """The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``."""
 
+import gc
 import itertools
 from collections.abc import Sequence
 
@@ -53,6 +54,7 @@ class LLM:
         self.processor = OutputProcessor.for_model(self.tokenizer, self.config.model_path)
         self._ids = itertools.count()
         self.stats: SchedulerStats | None = None  # as of the last step
+        gc.freeze()  # the tokenizer and the engine's start-up objects: full collections skip them
 
     def generate(
         self,

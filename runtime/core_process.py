@@ -2,6 +2,7 @@
 stdin. Starts the executor (and through it the workers), then serves the busy loop. It never
 imports torch: the workers do the tensor work."""
 
+import gc
 import logging
 import signal
 import sys
@@ -73,6 +74,7 @@ def main() -> None:
         core = EngineCore(
             config.scheduler, executor, connector, publisher, tokenizer_path=tokenizer_json_path(config.worker.model)
         )
+        gc.freeze()  # what start-up made lives on: full collections between steps skip it
         loop.serve(core, EngineReady(executor.num_blocks, executor.vocab_size, executor.num_cpu_blocks))
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short

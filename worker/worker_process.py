@@ -2,6 +2,7 @@
 stdin. It runs every step the executor sends and answers on the results socket; the answer of
 the first tensor-parallel rank of the last pipeline stage carries the sampled tokens."""
 
+import gc
 import logging
 import sys
 import time
@@ -49,6 +50,7 @@ def serve(config: WorkerProcessConfig) -> None:
         ready = WorkerReady(rank, runner.num_blocks, runner.model.vocab_size, runner.num_cpu_blocks)
         results.send(encoder.encode(ready))
         samples = runner.model.stage.is_last and tp.rank == 0
+        gc.freeze()  # what start-up made lives on: full collections between steps skip it (docs/performance.md)
         try:
             _run_steps(runner, steps, results, encoder, rank, samples)
         finally:

@@ -530,22 +530,6 @@ static inline i32x16 dot_pair(i32x16 acc, i16x32 w, int32_t pair)
 #endif
 }
 
-/* 16 float16 values at p (the compiler's own conversion of a float16 vector goes value by value). */
-static inline f32x16 halves_to_floats(const uint8_t *p)
-{
-#if defined(__AVX512F__)
-    return (f32x16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-#elif defined(__F16C__)
-    const f32x8 low = (f32x8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    const f32x8 high = (f32x8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
-    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-    f32x16 values;
-    for (int l = 0; l < 16; l++) values[l] = half_at(p + 2 * l);
-    return values;
-#endif
-}
-
 #if defined(VECTORS_ARE_AVX2_PAIRS)
 /* group_dots for AVX2, whose registers are half a group wide: each half of the group's rows
  * (8 lanes) in its own register, AVX2_ROWS activation rows at a time. Written with AVX2's own
@@ -657,8 +641,8 @@ static inline __attribute__((always_inline)) void group_dots(
                 }
             }
         }
-        const f32x16 d = halves_to_floats(run);
-        const f32x16 m = base == GGML_Q4_1 ? halves_to_floats(run + 2 * GROUP) : d * -8.f;
+        const f32x16 d = load_lanes((const char *)run, DTYPE_FLOAT16);
+        const f32x16 m = base == GGML_Q4_1 ? load_lanes((const char *)(run + 2 * GROUP), DTYPE_FLOAT16) : d * -8.f;
         for (int r = 0; r < rows; r++) {
             const struct QuantizedRun *a = &x[(row0 + r) * runs_per_row + b];
             for (int j = 1; j < chains; j++) dot[r][0] += dot[r][j];
@@ -753,8 +737,8 @@ struct RunScales {
 
 static inline struct RunScales run_scales(int base, const uint8_t *run)
 {
-    const __m512 d = (__m512)halves_to_floats(run);
-    if (base == GGML_Q4_1) return (struct RunScales){d, (__m512)halves_to_floats(run + 2 * GROUP)};
+    const __m512 d = (__m512)load_lanes((const char *)run, DTYPE_FLOAT16);
+    if (base == GGML_Q4_1) return (struct RunScales){d, (__m512)load_lanes((const char *)(run + 2 * GROUP), DTYPE_FLOAT16)};
     return (struct RunScales){d, base == GGML_Q4_0 ? _mm512_mul_ps(d, _mm512_set1_ps(-8.f)) : _mm512_setzero_ps()};
 }
 

@@ -81,10 +81,18 @@ static inline vfloat load_lanes(const char *src, int dtype)
         const vfloat magnitude = select_lanes(finite < 0, -finite, finite);
         result = select_lanes(magnitude == 480.f, (vfloat){0} + NAN, finite);
 #endif
-    } else {
+    } else { /* float16: F16C's conversion, which GCC does not emit for a vector's own (a lane at a time) */
+#if defined(__AVX512F__)
+        result = (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
+#elif defined(__AVX2__) && defined(__F16C__)
+        const __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)),
+                                  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16)))};
+        memcpy(&result, halves, sizeof result);
+#else
         vhalf half;
         memcpy(&half, src, sizeof half);
         result = __builtin_convertvector(half, vfloat);
+#endif
     }
     return result;
 }

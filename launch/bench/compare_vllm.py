@@ -2,7 +2,7 @@
 
     python -m strata.launch.bench.compare_vllm [--engines strata-uni,strata-mp,vllm]
         [--vllm-dtypes bfloat16,float32] [--strata-dtype auto] [--workloads A,B,single,long]
-        [--reps 3] [--json out.json]
+        [--reps 3] [--rounds 1] [--json out.json]
 
 Engines: strata ``--executor uni``, strata ``mp`` (both on the default model's GGUF file, so at
 their default ``--quantization auto``: its blocks on the CPU), ``strata-uni-dequantized`` (the
@@ -28,12 +28,15 @@ seeded as in ``strata bench throughput``:
             with ``--ngram-drafts N`` every engine speculates with n-gram drafts)
 
 Per engine and workload: one untimed run, then ``--reps`` timed runs, the prefix cache cleared
-before every run (sharing within a run still counts). Greedy,
-EOS ignored, same model directory and ``max_model_len`` for all. Reported: the median output
-tokens/s of every engine, and each strata engine's ratio to the faster vLLM dtype on that
-workload (named in the table), and to llama.cpp where it ran. The JSON report also holds every
-timed run, each engine's resident memory, and ``lscpu``'s model name, family, model and flags;
-the model name and SIMD flags are printed above the table.
+before every run (sharing within a run still counts). With ``--rounds N`` the engines are
+started N times in turn and every round's timed runs pooled: on a shared host whose speed
+drifts over minutes, engines measured one after another once can differ by a fifth for it
+alone (docs/performance.md, EPYC-AVX2 session 37). Greedy, EOS ignored, same model directory
+and ``max_model_len`` for all. Reported: the median output tokens/s of every engine, and each
+strata engine's ratio to the faster vLLM dtype on that workload (named in the table), and to
+llama.cpp where it ran. The JSON report also holds every timed run, each engine's resident
+memory, and ``lscpu``'s model name, family, model and flags; the model name and SIMD flags are
+printed above the table.
 """
 
 import argparse
@@ -43,6 +46,7 @@ import signal
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -227,6 +231,29 @@ def measure(engine: Engine, prompts: list[list[int]], output_len: int, reps: int
     return [engine.time_run(prompts, output_len) for _ in range(reps)]
 
 
+def measure_engines(
+    names: list[str], start: Callable[[str], Engine], workloads: dict[str, Workload], prompts: dict[str, list[list[int]]],
+    reps: int, rounds: int,
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, float]]:
+    """Every engine's timed runs by workload (pooled over the rounds) and its resident memory: in
+    each round every engine is started in turn, runs every workload, and stops before the next
+    one starts."""
+    rates: dict[str, dict[str, list[float]]] = {workload: {name: [] for name in names} for workload in workloads}
+    rss_mib: dict[str, float] = {}
+    for _ in range(rounds):
+        for name in names:
+            engine = start(name)
+            try:
+                rss_mib[name] = engine.rss_mib
+                for workload, shape in workloads.items():
+                    rates[workload][name] += measure(engine, prompts[workload], shape.output_len, reps)
+                    median = statistics.median(rates[workload][name])
+                    print(f"{workload}: {name} {median:.1f} tok/s", file=sys.stderr, flush=True)
+            finally:
+                engine.stop()
+    return rates, rss_mib
+
+
 def faster_vllm(medians: dict[str, float]) -> str | None:
     """The vLLM engine with the most output tokens/s, the ratios' baseline; None if none ran."""
     return max((name for name in medians if is_vllm(name)), key=medians.__getitem__, default=None)
@@ -278,6 +305,10 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join([*WORKLOADS, COPY])}")
     parser.add_argument("--ngram-drafts", type=int, default=0, help="every engine speculates with this many n-gram drafts")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="start every engine this many times, one after another, each time for --reps timed runs (all pooled)",
+    )
     parser.add_argument("--kv-cache-gib", type=int, default=4, help="every engine's KV cache")
     parser.add_argument("--quick", action="store_true", help="tiny workloads, to check the run end to end")
     parser.add_argument("--dump-prompts", type=Path, help="also write each workload's prompt file (vllm_offline.py's format) here")
@@ -313,18 +344,9 @@ def main() -> None:
             (args.dump_prompts / f"{name}.json").write_text(json.dumps(spec))
 
     cpu = CpuInfo.read()
-    rates: dict[str, dict[str, list[float]]] = {workload: {} for workload in workloads}
-    rss_mib: dict[str, float] = {}
-    for name in names:
-        engine = Engine.start(name, launch)
-        try:
-            rss_mib[name] = engine.rss_mib
-            for workload, shape in workloads.items():
-                rates[workload][name] = measure(engine, prompts[workload], shape.output_len, args.reps)
-                median = statistics.median(rates[workload][name])
-                print(f"{workload}: {name} {median:.1f} tok/s", file=sys.stderr, flush=True)
-        finally:
-            engine.stop()
+    rates, rss_mib = measure_engines(
+        names, lambda name: Engine.start(name, launch), workloads, prompts, args.reps, args.rounds
+    )
     summaries = {workload: summarize(shape, rates[workload]) for workload, shape in workloads.items()}
     print(cpu.describe())
     print(format_table(names, summaries))
@@ -332,7 +354,7 @@ def main() -> None:
     if args.json:
         report = {
             "cpu": asdict(cpu), "model": str(model), "strata_dtype": args.strata_dtype, "vllm_dtypes": args.vllm_dtypes.split(","),
-            "max_model_len": launch.max_model_len, "reps": args.reps, "engines": names, "workloads": summaries,
+            "max_model_len": launch.max_model_len, "reps": args.reps, "rounds": args.rounds, "engines": names, "workloads": summaries,
             "rss_mib": rss_mib,
         }
         args.json.write_text(json.dumps(report, indent=2))

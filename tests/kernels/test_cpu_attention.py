@@ -186,10 +186,12 @@ def test_cpu_backend_matches_torch_backend(batch, sliding_window):
     assert_close(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=["bf16-cache", "fp16-cache", "fp8-cache"]
+)
 @pytest.mark.parametrize("batch", [LONG_BATCH, BATCH_WITH_LONG_CHUNKS], ids=["short-chunks", "long-chunks"])
 def test_a_float32_model_over_a_narrower_cache_matches_torch_backend(batch, cache_dtype):
-    """``--kv-cache-dtype bfloat16`` or ``fp8`` under a float32 model: keys and values are rounded
+    """``--kv-cache-dtype bfloat16``, ``float16`` or ``fp8`` under a float32 model: keys and values are rounded
     once, as they are written; attention then widens them exactly, so it agrees to float32's
     tolerance."""
     b = make_batch(*batch, 3, 64, 16, torch.float32)

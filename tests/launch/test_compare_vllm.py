@@ -1,9 +1,12 @@
 """compare_vllm's bookkeeping, without starting an engine: which engines ``--engines`` names,
-the faster vLLM dtype as the baseline of every ratio, the table, and what it reads from lscpu."""
+the faster vLLM dtype as the baseline of every ratio, the rounds, the table, and what it reads
+from lscpu."""
 
 import pytest
 
-from strata.launch.bench.compare_vllm import WORKLOADS, CpuInfo, engine_names, faster_vllm, format_table, summarize
+from strata.launch.bench.compare_vllm import (
+    WORKLOADS, CpuInfo, engine_names, faster_vllm, format_table, measure_engines, summarize,
+)
 from strata.launch.bench.throughput import Workload
 
 ENGINES = ["strata-uni", "strata-mp", "vllm-bfloat16", "vllm-float32"]
@@ -104,3 +107,29 @@ def test_lscpu_without_the_fields():
     cpu = CpuInfo.parse("Architecture: aarch64\n")
     assert (cpu.model_name, cpu.flags) == ("unknown", [])
     assert cpu.describe() == "CPU: unknown\nSIMD flags: none"
+
+
+class FakeEngine:
+    """Made `rate` tokens/s at every run; records its starts and stops in `log`."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log, self.rss_mib = name, log, 100.0
+        self.rate = {"strata-uni": 10.0, "strata-mp": 20.0}[name] + log.count(f"start {name}")
+        log.append(f"start {name}")
+
+    def time_run(self, prompts: list[list[int]], max_tokens: int) -> float:
+        return self.rate
+
+    def stop(self) -> None:
+        self.log.append(f"stop {self.name}")
+
+
+def test_rounds_start_the_engines_in_turn_and_pool_their_runs():
+    log: list[str] = []
+    workloads = {"B": WORKLOADS["B"]}
+    rates, rss_mib = measure_engines(
+        ["strata-uni", "strata-mp"], lambda name: FakeEngine(name, log), workloads, {"B": [[1, 2]]}, reps=2, rounds=2
+    )
+    assert log == ["start strata-uni", "stop strata-uni", "start strata-mp", "stop strata-mp"] * 2
+    assert rates == {"B": {"strata-uni": [10.0, 10.0, 11.0, 11.0], "strata-mp": [20.0, 20.0, 21.0, 21.0]}}
+    assert rss_mib == {"strata-uni": 100.0, "strata-mp": 100.0}
