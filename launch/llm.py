@@ -37,7 +37,9 @@ def start_engine(args: EngineArgs, resolved: ResolvedConfig) -> InprocClient | S
 class LLM:
     """An engine for offline batches. ``model=None`` loads the default model (SmolLM2-135M-
     Instruct); other keyword arguments are ``EngineArgs`` fields (``executor``, ``dtype``,
-    ``max_num_seqs``, ...)."""
+    ``max_num_seqs``, ...). Once ready it freezes the process's objects out of the cyclic garbage
+    collector (``gc.freeze()``): cycles among objects that existed then are freed only after
+    ``gc.unfreeze()``."""
 
     def __init__(self, model: str | None = None, **engine_args: object) -> None:
         self.args = EngineArgs(model=model, **engine_args)
