@@ -25,6 +25,8 @@
  * instead (amx_dot_tile, below), a decode walk prefetches each next tile (64 decode rows over
  * 400 positions 13% faster on Xeon-AMX, workload A 6%), and weights its value rows with the sums
  * in registers (add_decode_values).
+ * Where the 16-lane vectors are pairs of AVX2 registers, tiles are scored and weighted in AVX2's
+ * own registers instead (avx2_dot_rows and the functions beside it).
  * Every walk restarts its online softmax at each multiple of SEGMENT positions and joins the
  * segments in order, so a row's arithmetic is the same, in the same order, whichever item
  * computed it: a decode row gets the result a verification of draft tokens computes for the
@@ -109,20 +111,109 @@ static inline int64_t tile_offset(const Batch *b, int seq, int kv_head, int star
            + (start % b->block_size) * position_stride + (int64_t)kv_head * head_dim;
 }
 
+/* The `bytes` of keys and of values from `at` bytes into the cache, fetched into the caches. */
+static inline __attribute__((always_inline)) void prefetch_rows(const Batch *b, int64_t at, int64_t bytes)
+{
+    for (int64_t line = 0; line < bytes; line += 64) {
+        __builtin_prefetch(b->keys + at + line);
+        __builtin_prefetch(b->values + at + line);
+    }
+}
+
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+/* ---- Tiles in AVX2's own registers -----------------------------------------------------------
+ * Where the 16-lane vectors are pairs of AVX2 registers, GCC builds their broadcasts and
+ * shuffles through the stack a lane at a time, and copies a tile's rows (load_positions) 16 bytes
+ * at a time: most of a decode's attention on EPYC-AVX2, where a tile took five times its
+ * multiply-adds even from L2. These builds score and weight float32 rows with the functions
+ * below, and a decode walk widens its tiles into float32 with whole AVX2 registers
+ * (avx2_widen_tile). A decode walk and attend_tile both score with avx2_dot_rows, so a decode row
+ * and a verification of draft tokens still compute the same bits. */
+
+/* acc (chunks * 16 floats) += the `len` float32 rows from `rows` (`stride` floats apart) weighted
+ * by weight[p], position by position. Four chunks' sums stay in registers at a time: eight chains
+ * of multiply-adds in flight, where a chunk at a time left two, waiting on each other's latency
+ * (the bulk of a decode tile so on EPYC-AVX2). Rows past `len` are skipped (add_values' portable
+ * code adds zero weights times zero rows there). */
+static inline __attribute__((always_inline)) void avx2_add_weighted_rows(
+    const float *rows, int64_t stride, int len, const int chunks, const float weight[LANES], float *acc)
+{
+    enum { AT_ONCE = 4 };
+    for (int from = 0; from < chunks; from += AT_ONCE) {
+        const int registers = 2 * (chunks - from < AT_ONCE ? chunks - from : AT_ONCE);
+        float *sums_at = acc + from * LANES;
+        __m256 sum[2 * AT_ONCE];
+        for (int i = 0; i < registers; i++) sum[i] = _mm256_loadu_ps(sums_at + 8 * i);
+        for (int p = 0; p < len; p++) {
+            const __m256 broadcast = _mm256_broadcast_ss(&weight[p]);
+            const float *value = rows + p * stride + from * LANES;
+            for (int i = 0; i < registers; i++) sum[i] = _mm256_fmadd_ps(broadcast, _mm256_loadu_ps(value + 8 * i), sum[i]);
+        }
+        for (int i = 0; i < registers; i++) _mm256_storeu_ps(sums_at + 8 * i, sum[i]);
+    }
+}
+
+/* Lane i of the result = the sum of the 8 lanes of v[i]: lanes (l, l + 4), then (l, l + 2), then
+ * (0, 1), as sum_each pairs them once a 16-lane vector's halves are added. */
+static inline __m256 avx2_sum_each_of_eight(const __m256 v[8])
+{
+    __m256 quarters[4], pairs[2];
+    /* quarters[i]: v[i]'s four sums, then v[i + 4]'s */
+    for (int i = 0; i < 4; i++)
+        quarters[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[i], v[i + 4], 0x20),
+                                    _mm256_permute2f128_ps(v[i], v[i + 4], 0x31));
+    /* pairs[i]: the two sums of v[2i], then v[2i + 1], then those of v[2i + 4] and v[2i + 5] */
+    for (int i = 0; i < 2; i++)
+        pairs[i] = _mm256_add_ps(_mm256_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0x44),
+                                 _mm256_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0xee));
+    return _mm256_add_ps(_mm256_shuffle_ps(pairs[0], pairs[1], 0x88), _mm256_shuffle_ps(pairs[0], pairs[1], 0xdd));
+}
+
+/* Query vector q's scores with the 16 float32 key rows from `keys` (`stride` floats apart): for
+ * each row, lane by lane the products' sums over the chunks, then the lanes summed pairwise. */
+static inline __attribute__((always_inline)) vfloat avx2_dot_rows(
+    const float *keys, int64_t stride, const int chunks, const vfloat q[chunks])
+{
+    const float *query = (const float *)q;
+    __m256 halves[2];
+    for (int half = 0; half < 2; half++) {
+        __m256 dots[8];
+        for (int i = 0; i < 8; i++) {
+            const float *key = keys + (half * 8 + i) * stride;
+            __m256 low = _mm256_mul_ps(_mm256_loadu_ps(query), _mm256_loadu_ps(key));
+            __m256 high = _mm256_mul_ps(_mm256_loadu_ps(query + 8), _mm256_loadu_ps(key + 8));
+            for (int c = 1; c < chunks; c++) {
+                low = _mm256_fmadd_ps(_mm256_loadu_ps(query + c * LANES), _mm256_loadu_ps(key + c * LANES), low);
+                high = _mm256_fmadd_ps(_mm256_loadu_ps(query + c * LANES + 8), _mm256_loadu_ps(key + c * LANES + 8), high);
+            }
+            dots[i] = _mm256_add_ps(low, high);
+        }
+        halves[half] = avx2_sum_each_of_eight(dots);
+    }
+    vfloat scores;
+    memcpy(&scores, halves, sizeof scores);
+    return scores;
+}
+#endif
+
 /* scores[x] = the dot products of query vector q[x] with the tile's 16 key rows `keys`, for the
  * rows x that see some of the tile's positions (from `start`: [first[x], visible[x])). */
 static inline __attribute__((always_inline)) void dot_tile(
     int start, const int rows, const int chunks, const vfloat q[rows][chunks], const int visible[rows],
     const int first[rows], const vfloat keys[LANES][chunks], vfloat scores[rows])
 {
-    vfloat partial[LANES];
     for (int x = 0; x < rows; x++) {
         if (start >= visible[x] || start + LANES <= first[x]) continue;
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+        scores[x] = avx2_dot_rows((const float *)keys, chunks * LANES, chunks, q[x]);
+#else
+        vfloat partial[LANES];
         for (int p = 0; p < LANES; p++) {
             partial[p] = q[x][0] * keys[p][0];
             for (int c = 1; c < chunks; c++) partial[p] += q[x][c] * keys[p][c];
         }
         scores[x] = sum_each(partial);
+#endif
     }
 }
 
@@ -165,19 +256,7 @@ static inline __attribute__((always_inline)) void add_values(
         float weight[LANES];
         memcpy(weight, &weights[x], sizeof weight);
 #if defined(VECTORS_ARE_AVX2_PAIRS)
-        /* In AVX2's own registers: GCC built each 16-lane broadcast of a weight through the
-         * stack one lane at a time. */
-        for (int c = 0; c < chunks; c++) {
-            float *row_acc = (float *)&acc[x][c];
-            __m256 sum[2] = {_mm256_loadu_ps(row_acc), _mm256_loadu_ps(row_acc + 8)};
-            for (int p = 0; p < LANES; p++) {
-                const __m256 broadcast = _mm256_broadcast_ss(&weight[p]);
-                const float *value = (const float *)&values[p][c];
-                for (int h = 0; h < 2; h++) sum[h] = _mm256_fmadd_ps(broadcast, _mm256_loadu_ps(value + 8 * h), sum[h]);
-            }
-            _mm256_storeu_ps(row_acc, sum[0]);
-            _mm256_storeu_ps(row_acc + 8, sum[1]);
-        }
+        avx2_add_weighted_rows((const float *)values, chunks * LANES, LANES, chunks, weight, (float *)acc[x]);
 #else
         for (int c = 0; c < chunks; c++) {
             vfloat sum = acc[x][c];
@@ -357,10 +436,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         if (next < last_visible && next_block != this_block && blocks[next_block] != blocks[this_block] + 1) {
             const int64_t next_offset = tile_offset(b, seq, kv_head, next, head_dim) * dtype_size(b->cache_dtype);
             for (int p = 0; p < LANES; p++)
-                for (int64_t line = 0; line < head_dim * (int64_t)dtype_size(b->cache_dtype); line += 64) {
-                    __builtin_prefetch(b->keys + next_offset + p * position_bytes + line);
-                    __builtin_prefetch(b->values + next_offset + p * position_bytes + line);
-                }
+                prefetch_rows(b, next_offset + p * position_bytes, head_dim * (int64_t)dtype_size(b->cache_dtype));
         }
 #if defined(AMX_TILES)
         if (b->amx) {
@@ -396,10 +472,7 @@ static inline __attribute__((always_inline)) void load_positions(
     const int64_t chunk_bytes = LANES * dtype_size(dtype), row_bytes = chunks * chunk_bytes;
     const int64_t position_bytes = kv_heads * row_bytes;
     for (int p = 0; p < LANES; p++) {
-        for (int64_t line = 0; ahead >= 0 && line < position_bytes; line += 64) {
-            __builtin_prefetch(b->keys + ahead + p * position_bytes + line);
-            __builtin_prefetch(b->values + ahead + p * position_bytes + line);
-        }
+        if (ahead >= 0) prefetch_rows(b, ahead + p * position_bytes, position_bytes);
         for (int h = 0; h < kv_heads; h++)
             for (int c = 0; c < chunks; c++)
                 tile[h][p][c] = p < len ? load_lanes(rows + p * position_bytes + h * row_bytes + c * chunk_bytes, dtype)
@@ -480,6 +553,77 @@ static inline __attribute__((always_inline)) void add_decode_values(
 }
 #endif
 
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+/* widened = a tile's rows as float32 (16 positions, each with every KV head's row side by side,
+ * from `rows`), float32 rows copied. */
+static inline __attribute__((always_inline)) void avx2_widen_tile(
+    const Batch *b, const char *rows, const int chunks, float *widened)
+{
+    const int64_t floats = (int64_t)LANES * b->num_kv_heads * chunks * LANES;
+    const size_t item = dtype_size(b->cache_dtype);
+    for (int64_t i = 0; i < floats; i += LANES) {
+        const char *src = rows + i * item;
+        __m256 halves[2];
+        if (b->cache_dtype == DTYPE_FLOAT32) {
+            halves[0] = _mm256_loadu_ps((const float *)src);
+            halves[1] = _mm256_loadu_ps((const float *)src + 8);
+        } else if (b->cache_dtype == DTYPE_FLOAT8_E4M3) {
+            const __m256i bits = float8_e4m3_halves(src);
+            halves[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), _mm256_set1_ps(256.f));
+            halves[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), _mm256_set1_ps(256.f));
+        } else {
+            for (int h = 0; h < 2; h++) {
+                const __m128i narrow = _mm_loadu_si128((const __m128i *)(src + 8 * h * item));
+                halves[h] = b->cache_dtype == DTYPE_FLOAT16
+                                ? _mm256_cvtph_ps(narrow)
+                                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(narrow), 16));
+            }
+        }
+        _mm256_storeu_ps(widened + i, halves[0]);
+        _mm256_storeu_ps(widened + i + 8, halves[1]);
+    }
+}
+
+/* scores[h] = the scores of every head's query q[h] with the tile from `rows`, widened into
+ * `widened` first even from a float32 cache: the copy's run of loads ahead of the arithmetic
+ * reads a decode step from memory faster than multiply-adds reading the keys in place (EPYC-AVX2,
+ * docs/attention.md). */
+static inline __attribute__((always_inline)) void avx2_decode_scores(
+    const Batch *b, const char *rows, const int chunks, const vfloat q[][chunks], float *widened, vfloat scores[])
+{
+    const int group = b->num_heads / b->num_kv_heads, head_dim = chunks * LANES;
+    avx2_widen_tile(b, rows, chunks, widened);
+    for (int h = 0; h < b->num_heads; h++)
+        scores[h] = avx2_dot_rows(widened + h / group * head_dim, (int64_t)b->num_kv_heads * head_dim, chunks, q[h]);
+}
+
+/* acc[h] += the value rows of the tile from `rows` (`len` positions) weighted by weights[h],
+ * for every head h: float32 rows where they lie (copied as the keys are, they read no faster
+ * from memory and slower from L3), narrower ones widened into `widened` first. */
+static inline __attribute__((always_inline)) void avx2_decode_values(
+    const Batch *b, const char *rows, int len, const int chunks, const vfloat weights[], vfloat acc[][chunks],
+    float *widened)
+{
+    const int group = b->num_heads / b->num_kv_heads, head_dim = chunks * LANES;
+    const float *tile = (const float *)rows;
+    if (b->cache_dtype != DTYPE_FLOAT32) {
+        avx2_widen_tile(b, rows, chunks, widened);
+        tile = widened;
+    }
+    for (int h = 0; h < b->num_heads; h++) {
+        float weight[LANES];
+        memcpy(weight, &weights[h], sizeof weight);
+        const float *head_values = tile + h / group * head_dim;
+        const int64_t stride = (int64_t)b->num_kv_heads * head_dim;
+        /* A whole tile with a constant count, so that its positions' loop unrolls. */
+        if (len == LANES)
+            avx2_add_weighted_rows(head_values, stride, LANES, chunks, weight, (float *)acc[h]);
+        else
+            avx2_add_weighted_rows(head_values, stride, len, chunks, weight, (float *)acc[h]);
+    }
+}
+#endif
+
 /* Floats of a decode item's partial softmax: every head's maximum, then every head's
  * denominator, then every head's undivided acc (head_dim floats each). */
 static int64_t partial_floats(int heads, int head_dim) { return (int64_t)heads * (head_dim + 2); }
@@ -519,7 +663,12 @@ static inline __attribute__((always_inline)) void attend_decode_row(
     const size_t cache_item = dtype_size(b->cache_dtype);
     const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
     const int64_t position_bytes = (int64_t)kv_heads * head_dim * cache_item;
-    vfloat tile_rows[kv_heads][LANES][chunks], weights[heads], scores[heads];
+    vfloat weights[heads], scores[heads];
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+    float widened[LANES * kv_heads * head_dim];
+#else
+    vfloat tile_rows[kv_heads][LANES][chunks];
+#endif
 #if defined(AMX_TILES)
     /* Score tiles of whole groups: kv_per_tile KV heads' query vectors each. */
     const int dim_tiles = head_dim / AMX_DIMS, kv_per_tile = AMX_COLUMNS / group;
@@ -564,10 +713,15 @@ static inline __attribute__((always_inline)) void attend_decode_row(
         } else
 #endif
         {
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+            for (int p = 0; jump && p < LANES; p++) prefetch_rows(b, ahead + p * position_bytes, position_bytes);
+            avx2_decode_scores(b, b->keys + offset, chunks, q, widened, scores);
+#else
             load_positions(b, b->keys + offset, len, jump ? ahead : -1, chunks, tile_rows);
             for (int kv_head = 0; kv_head < kv_heads; kv_head++)
                 dot_tile(tile, group, chunks, q + kv_head * group, visible, first, tile_rows[kv_head],
                          scores + kv_head * group);
+#endif
         }
         for (int kv_head = 0; kv_head < kv_heads; kv_head++) {
             const int h = kv_head * group;
@@ -580,11 +734,15 @@ static inline __attribute__((always_inline)) void attend_decode_row(
             continue;
         }
 #endif
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+        avx2_decode_values(b, b->values + offset, len, chunks, weights, acc, widened);
+#else
         load_positions(b, b->values + offset, len, -1, chunks, tile_rows);
         for (int kv_head = 0; kv_head < kv_heads; kv_head++) {
             const int h = kv_head * group;
             add_values(tile, group, chunks, visible, first, tile_rows[kv_head], weights + h, acc + h);
         }
+#endif
     }
     close_segment(heads, chunks, running_max, lane_sums, acc, total_max, total_denominator, total_acc);
     if (!partial) {

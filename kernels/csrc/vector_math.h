@@ -39,6 +39,20 @@ static inline vfloat select_lanes(vint mask, vfloat a, vfloat b)
     return result;
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+/* The 16 float8 (e4m3) codes at `src` as float16 bits, each 1/256 of the code's value (float16's
+ * exponent bias is 8 more than e4m3's): NaN stays NaN, every other code exact. */
+static inline __m256i float8_e4m3_halves(const char *src)
+{
+    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
+    const __m256i magnitude = _mm256_and_si256(wide, _mm256_set1_epi16(0x7f));
+    const __m256i nan = _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(FLOAT8_E4M3_NAN));
+    return _mm256_or_si256(
+        _mm256_or_si256(_mm256_slli_epi16(magnitude, 7), _mm256_slli_epi16(_mm256_xor_si256(wide, magnitude), 8)),
+        _mm256_and_si256(nan, _mm256_set1_epi16(0x7e00))); /* a float16 NaN */
+}
+#endif
+
 /* 16 consecutive elements of `dtype` at `src`, as float32. */
 static inline vfloat load_lanes(const char *src, int dtype)
 {
@@ -57,12 +71,7 @@ static inline vfloat load_lanes(const char *src, int dtype)
     } else if (dtype == DTYPE_FLOAT8_E4M3) {
         /* float8_e4m3_to_float, 16 codes at once. */
 #if defined(__AVX2__) && defined(__F16C__)
-        const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
-        const __m256i magnitude = _mm256_and_si256(wide, _mm256_set1_epi16(0x7f));
-        const __m256i nan = _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(FLOAT8_E4M3_NAN));
-        const __m256i bits = _mm256_or_si256(
-            _mm256_or_si256(_mm256_slli_epi16(magnitude, 7), _mm256_slli_epi16(_mm256_xor_si256(wide, magnitude), 8)),
-            _mm256_and_si256(nan, _mm256_set1_epi16(0x7e00))); /* a float16 NaN */
+        const __m256i bits = float8_e4m3_halves(src);
 #if defined(__AVX512F__)
         result = (vfloat)_mm512_mul_ps(_mm512_cvtph_ps(bits), _mm512_set1_ps(256.f));
 #else

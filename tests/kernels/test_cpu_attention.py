@@ -110,6 +110,10 @@ def test_a_decode_row_equals_its_position_among_several_new_tokens(group, head_d
     AMX (bfloat16) a query vector's scores do not depend on the vectors sharing its tile, nor a
     decode row's values on how many of a KV head's query rows share their sums' registers (four
     at a time at head_dim 64, where a group of 5 leaves one; two at a time at 128)."""
+    assert_decode_rows_equal_a_verification(group, head_dim, sliding_window, dtype)
+
+
+def assert_decode_rows_equal_a_verification(group: int, head_dim: int, sliding_window: int | None, dtype) -> None:
     b = make_batch([4], [300], group, head_dim, 16, dtype)
     together = run_kernel(b, sliding_window)
     one_row = torch.tensor([0, 1], dtype=torch.int32)
@@ -271,11 +275,25 @@ def test_the_avx512_build_without_amx_matches_reference_in_bfloat16(avx512_build
     assert_close(run_kernel(b), b.reference())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", TOLERANCES, ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("batch", [BATCHES["mixed"], LONG_BATCH], ids=["mixed", "long"])
 def test_the_avx2_build_matches_reference(avx2_build, batch, dtype):
     b = make_batch(*batch, 3, 64, 16, dtype)
     assert_close(run_kernel(b), b.reference())
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=["bf16", "fp16", "fp8"])
+def test_the_avx2_build_widens_a_narrower_cache_under_a_float32_model(avx2_build, cache_dtype):
+    b = make_batch(*LONG_BATCH, 3, 64, 16, torch.float32)
+    b.kv_cache = b.kv_cache.to(cache_dtype)
+    assert_close(run_kernel(b), b.reference())
+
+
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (6, 128)])
+def test_the_avx2_build_gives_a_decode_row_the_bits_of_a_verification(avx2_build, group, head_dim):
+    """The AVX2 build's decode walk reads rows in place and scores them in its own registers;
+    attend_tile scores with the same function, so the bits still agree."""
+    assert_decode_rows_equal_a_verification(group, head_dim, None, torch.float32)
 
 
 def test_the_avx2_build_reads_every_float8_code_exactly(avx2_build):
