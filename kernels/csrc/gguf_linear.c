@@ -282,6 +282,41 @@ static int64_t block_bytes(int type)
     }
 }
 
+static inline float sum_lanes(f32x8 v)
+{
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+/* quantize_row's run of 32 float32 activations `v`, the same values, in AVX2's own registers:
+ * GCC built the 16-lane conversions to int16 and the sums below a lane at a time. */
+static __attribute__((optimize("fp-contract=off"))) void avx2_quantize_run(const float v[RUN], struct QuantizedRun *r)
+{
+    __m256 eights[4], largest = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        eights[i] = _mm256_loadu_ps(v + 8 * i);
+        largest = _mm256_max_ps(largest, _mm256_andnot_ps(_mm256_set1_ps(-0.f), eights[i]));
+    }
+    const float amax = max_of_8(largest);
+    r->d = amax / 32767.f;
+    const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f), magic = _mm256_set1_ps(12582912.f);
+    float sums[2];
+    for (int h = 0; h < 2; h++) {
+        __m256 rounded[2];
+        for (int j = 0; j < 2; j++)
+            rounded[j] = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(eights[2 * h + j], inverse), magic), magic);
+        /* packs interleaves its inputs' 128-bit halves; the permute puts the 16 back in order */
+        const __m256i q = _mm256_permute4x64_epi64(
+            _mm256_packs_epi32(_mm256_cvtps_epi32(rounded[0]), _mm256_cvtps_epi32(rounded[1])), 0xd8);
+        memcpy(&r->q[h], &q, sizeof q);
+        sums[h] = sum_lanes((f32x8)_mm256_add_ps(rounded[0], rounded[1]));
+    }
+    r->scaled_sum[0] = r->d * sums[0];
+    r->scaled_sum[1] = r->d * sums[1];
+    r->scaled_total = r->d * (sums[0] + sums[1]);
+}
+#endif
+
 /* Row m of x (in_features values of `dtype`) as runs of 32 quantized activations: q = the
  * value times 32767 / the run's largest magnitude, rounded to the nearest integer, ties to even
  * (adding and subtracting 1.5 * 2^23 does that rounding for magnitudes below 2^22, in vectors;
@@ -294,9 +329,13 @@ static __attribute__((optimize("fp-contract=off"))) void quantize_row(
     for (int64_t k = 0; k < in_features; k += RUN) {
         f32x16 v[2];
         load_row(row + k * dtype_size(dtype), dtype, (float *)v, RUN);
+        struct QuantizedRun *r = &runs[k / RUN];
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+        avx2_quantize_run((const float *)v, r);
+        continue;
+#endif
         const f32x16 first = (f32x16)((u32x16)v[0] & 0x7fffffffu), second = (f32x16)((u32x16)v[1] & 0x7fffffffu);
         const float amax = max_of_lanes(select_lanes(first > second, first, second));
-        struct QuantizedRun *r = &runs[k / RUN];
         r->d = amax / 32767.f;
         const float inverse = amax > 0.f ? 32767.f / amax : 0.f;
         float sums[2]; /* of integers below 2^19 in magnitude: exact in float32, in any order */
@@ -309,11 +348,6 @@ static __attribute__((optimize("fp-contract=off"))) void quantize_row(
         r->scaled_sum[1] = r->d * sums[1];
         r->scaled_total = r->d * (sums[0] + sums[1]);
     }
-}
-
-static inline float sum_lanes(f32x8 v)
-{
-    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
 /* sums[f][r]: weight rows w[f] (f < features) dotted with activation rows row0 + r (r < rows).
@@ -1129,8 +1163,29 @@ int quantized_swiglu(const struct QuantizedMatrix *matrix, const void *x, int x_
 
 /* The 16 values of a decoded half-run, in float32: exactly ggml's float32 dequantization, one
  * rounding per multiply and per add (so no multiply-add is fused here). */
-static inline __attribute__((optimize("fp-contract=off"))) vfloat half_run_values(int type, const struct DecodedRun *run, int h)
+static inline __attribute__((always_inline, optimize("fp-contract=off"))) vfloat half_run_values(
+    int type, const struct DecodedRun *run, int h)
 {
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+    /* In AVX2's own registers: GCC widened the 16 codes to floats one at a time. */
+    const __m128i codes = _mm_loadu_si128((const __m128i *)&run->u[h]);
+    const __m128i upper = _mm_srli_si128(codes, 8);
+    const __m256 scale8 = _mm256_set1_ps(run->scale[h]);
+    __m256 values[2];
+    for (int i = 0; i < 2; i++) {
+        const __m128i eight = i ? upper : codes;
+        const __m256 u8 = _mm256_cvtepi32_ps(type == GGML_Q8_0 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight));
+        if (type == GGML_Q8_0)
+            values[i] = _mm256_mul_ps(scale8, u8);
+        else if (run->zero)
+            values[i] = _mm256_mul_ps(scale8, _mm256_sub_ps(u8, _mm256_set1_ps((float)run->zero)));
+        else
+            values[i] = _mm256_add_ps(_mm256_mul_ps(scale8, u8), _mm256_set1_ps(run->offset[h]));
+    }
+    vfloat result;
+    memcpy(&result, values, sizeof result);
+    return result;
+#endif
     const vfloat scale = (vfloat){0} + run->scale[h];
     if (type == GGML_Q8_0) return scale * __builtin_convertvector((i8x16)run->u[h], vfloat);
     const vfloat u = __builtin_convertvector(run->u[h], vfloat);
@@ -1143,8 +1198,9 @@ static inline __attribute__((optimize("fp-contract=off"))) vfloat half_run_value
  * n is stored row ids[n] (an embedding lookup), else stored row n; `stored_rows` rows are
  * stored, and an id outside [0, stored_rows) returns GGUF_ROW_OUT_OF_RANGE before anything is
  * written (checked here: a lookup's few ids cost a torch reduction more than the decode). */
-int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, const int64_t *ids,
-                    int64_t stored_rows, void *out, int out_dtype, int num_threads)
+__attribute__((optimize("fp-contract=off"))) int gguf_dequantize(
+    const uint8_t *data, int type, int64_t rows, int64_t cols, const int64_t *ids, int64_t stored_rows, void *out,
+    int out_dtype, int num_threads)
 {
     if (!block_values(type)) return GGUF_UNSUPPORTED_TYPE;
     for (int64_t n = 0; ids && n < rows; n++)
