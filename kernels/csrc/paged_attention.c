@@ -91,44 +91,15 @@ static inline vfloat sum_each(vfloat partial[LANES])
     return partial[0];
 }
 
-/* tile[p] = the head's row at position p of a tile (`first` + p * `stride` bytes) as float32,
- * for the `len` positions in the context; zero past them. */
-static inline __attribute__((always_inline)) void load_tile(
-    const char *first, int64_t stride, int len, int dtype, const int chunks, vfloat tile[LANES][chunks])
-{
-    for (int p = 0; p < LANES; p++)
-        for (int c = 0; c < chunks; c++)
-            tile[p][c] = p < len ? load_lanes(first + p * stride + c * LANES * dtype_size(dtype), dtype) : (vfloat){0};
-}
-
-/* Where the tile from position `start` of KV head `kv_head` of `seq` begins in the cache, in
- * elements from the keys' (or the values') start. */
-static inline int64_t tile_offset(const Batch *b, int seq, int kv_head, int start, int head_dim)
-{
-    const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
-    const int64_t position_stride = (int64_t)b->num_kv_heads * head_dim;
-    return (int64_t)blocks[start / b->block_size] * b->block_size * position_stride
-           + (start % b->block_size) * position_stride + (int64_t)kv_head * head_dim;
-}
-
-/* The `bytes` of keys and of values from `at` bytes into the cache, fetched into the caches. */
-static inline __attribute__((always_inline)) void prefetch_rows(const Batch *b, int64_t at, int64_t bytes)
-{
-    for (int64_t line = 0; line < bytes; line += 64) {
-        __builtin_prefetch(b->keys + at + line);
-        __builtin_prefetch(b->values + at + line);
-    }
-}
-
 #if defined(VECTORS_ARE_AVX2_PAIRS)
 /* ---- Tiles in AVX2's own registers -----------------------------------------------------------
  * Where the 16-lane vectors are pairs of AVX2 registers, GCC builds their broadcasts and
- * shuffles through the stack a lane at a time, and copies a tile's rows (load_positions) 16 bytes
- * at a time: most of a decode's attention on EPYC-AVX2, where a tile took five times its
- * multiply-adds even from L2. These builds score and weight float32 rows with the functions
- * below, and a decode walk widens its tiles into float32 with whole AVX2 registers
- * (avx2_widen_tile). A decode walk and attend_tile both score with avx2_dot_rows, so a decode row
- * and a verification of draft tokens still compute the same bits. */
+ * shuffles through the stack a lane at a time, and copies a tile's rows (load_tile,
+ * load_positions) 16 bytes at a time: most of a decode's attention on EPYC-AVX2, where a tile
+ * took five times its multiply-adds even from L2. These builds widen tiles into float32 with whole
+ * AVX2 registers (avx2_widen_rows) and score and weight them with the functions below. A decode
+ * walk and attend_tile both score with avx2_dot_rows, so a decode row and a verification of
+ * draft tokens still compute the same bits. */
 
 /* acc (chunks * 16 floats) += the `len` float32 rows from `rows` (`stride` floats apart) weighted
  * by weight[p], position by position. Four chunks' sums stay in registers at a time: eight chains
@@ -194,7 +165,72 @@ static inline __attribute__((always_inline)) vfloat avx2_dot_rows(
     memcpy(&scores, halves, sizeof scores);
     return scores;
 }
+
+/* out = `count` rows of `row_floats` elements of `dtype` (a multiple of 16), each `stride` bytes
+ * after the last from `first`, as float32 side by side: whole AVX2 registers at a time (float32
+ * rows copied). */
+static inline __attribute__((always_inline)) void avx2_widen_rows(
+    const char *first, int64_t stride, int count, int64_t row_floats, int dtype, float *out)
+{
+    const size_t item = dtype_size(dtype);
+    for (int r = 0; r < count; r++)
+        for (int64_t i = 0; i < row_floats; i += LANES) {
+            const char *src = first + r * stride + i * item;
+            __m256 halves[2];
+            if (dtype == DTYPE_FLOAT32) {
+                halves[0] = _mm256_loadu_ps((const float *)src);
+                halves[1] = _mm256_loadu_ps((const float *)src + 8);
+            } else if (dtype == DTYPE_FLOAT8_E4M3) {
+                const __m256i bits = float8_e4m3_halves(src);
+                halves[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), _mm256_set1_ps(256.f));
+                halves[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), _mm256_set1_ps(256.f));
+            } else {
+                for (int h = 0; h < 2; h++) {
+                    const __m128i narrow = _mm_loadu_si128((const __m128i *)(src + 8 * h * item));
+                    halves[h] = dtype == DTYPE_FLOAT16
+                                    ? _mm256_cvtph_ps(narrow)
+                                    : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(narrow), 16));
+                }
+            }
+            _mm256_storeu_ps(out + r * row_floats + i, halves[0]);
+            _mm256_storeu_ps(out + r * row_floats + i + 8, halves[1]);
+        }
+}
 #endif
+
+/* tile[p] = the head's row at position p of a tile (`first` + p * `stride` bytes) as float32,
+ * for the `len` positions in the context; zero past them. */
+static inline __attribute__((always_inline)) void load_tile(
+    const char *first, int64_t stride, int len, int dtype, const int chunks, vfloat tile[LANES][chunks])
+{
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+    avx2_widen_rows(first, stride, len, chunks * LANES, dtype, (float *)tile);
+    memset(tile[len], 0, sizeof tile[0] * (LANES - len));
+#else
+    for (int p = 0; p < LANES; p++)
+        for (int c = 0; c < chunks; c++)
+            tile[p][c] = p < len ? load_lanes(first + p * stride + c * LANES * dtype_size(dtype), dtype) : (vfloat){0};
+#endif
+}
+
+/* Where the tile from position `start` of KV head `kv_head` of `seq` begins in the cache, in
+ * elements from the keys' (or the values') start. */
+static inline int64_t tile_offset(const Batch *b, int seq, int kv_head, int start, int head_dim)
+{
+    const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
+    const int64_t position_stride = (int64_t)b->num_kv_heads * head_dim;
+    return (int64_t)blocks[start / b->block_size] * b->block_size * position_stride
+           + (start % b->block_size) * position_stride + (int64_t)kv_head * head_dim;
+}
+
+/* The `bytes` of keys and of values from `at` bytes into the cache, fetched into the caches. */
+static inline __attribute__((always_inline)) void prefetch_rows(const Batch *b, int64_t at, int64_t bytes)
+{
+    for (int64_t line = 0; line < bytes; line += 64) {
+        __builtin_prefetch(b->keys + at + line);
+        __builtin_prefetch(b->values + at + line);
+    }
+}
 
 /* scores[x] = the dot products of query vector q[x] with the tile's 16 key rows `keys`, for the
  * rows x that see some of the tile's positions (from `start`: [first[x], visible[x])). */
@@ -554,34 +590,12 @@ static inline __attribute__((always_inline)) void add_decode_values(
 #endif
 
 #if defined(VECTORS_ARE_AVX2_PAIRS)
-/* widened = a tile's rows as float32 (16 positions, each with every KV head's row side by side,
- * from `rows`), float32 rows copied. */
-static inline __attribute__((always_inline)) void avx2_widen_tile(
+/* widened = the 16 positions from `rows`, every KV head's row of each, as float32. */
+static inline __attribute__((always_inline)) void avx2_widen_positions(
     const Batch *b, const char *rows, const int chunks, float *widened)
 {
-    const int64_t floats = (int64_t)LANES * b->num_kv_heads * chunks * LANES;
-    const size_t item = dtype_size(b->cache_dtype);
-    for (int64_t i = 0; i < floats; i += LANES) {
-        const char *src = rows + i * item;
-        __m256 halves[2];
-        if (b->cache_dtype == DTYPE_FLOAT32) {
-            halves[0] = _mm256_loadu_ps((const float *)src);
-            halves[1] = _mm256_loadu_ps((const float *)src + 8);
-        } else if (b->cache_dtype == DTYPE_FLOAT8_E4M3) {
-            const __m256i bits = float8_e4m3_halves(src);
-            halves[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), _mm256_set1_ps(256.f));
-            halves[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), _mm256_set1_ps(256.f));
-        } else {
-            for (int h = 0; h < 2; h++) {
-                const __m128i narrow = _mm_loadu_si128((const __m128i *)(src + 8 * h * item));
-                halves[h] = b->cache_dtype == DTYPE_FLOAT16
-                                ? _mm256_cvtph_ps(narrow)
-                                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(narrow), 16));
-            }
-        }
-        _mm256_storeu_ps(widened + i, halves[0]);
-        _mm256_storeu_ps(widened + i + 8, halves[1]);
-    }
+    const int64_t position_floats = (int64_t)b->num_kv_heads * chunks * LANES;
+    avx2_widen_rows(rows, position_floats * dtype_size(b->cache_dtype), LANES, position_floats, b->cache_dtype, widened);
 }
 
 /* scores[h] = the scores of every head's query q[h] with the tile from `rows`, widened into
@@ -592,7 +606,7 @@ static inline __attribute__((always_inline)) void avx2_decode_scores(
     const Batch *b, const char *rows, const int chunks, const vfloat q[][chunks], float *widened, vfloat scores[])
 {
     const int group = b->num_heads / b->num_kv_heads, head_dim = chunks * LANES;
-    avx2_widen_tile(b, rows, chunks, widened);
+    avx2_widen_positions(b, rows, chunks, widened);
     for (int h = 0; h < b->num_heads; h++)
         scores[h] = avx2_dot_rows(widened + h / group * head_dim, (int64_t)b->num_kv_heads * head_dim, chunks, q[h]);
 }
@@ -607,7 +621,7 @@ static inline __attribute__((always_inline)) void avx2_decode_values(
     const int group = b->num_heads / b->num_kv_heads, head_dim = chunks * LANES;
     const float *tile = (const float *)rows;
     if (b->cache_dtype != DTYPE_FLOAT32) {
-        avx2_widen_tile(b, rows, chunks, widened);
+        avx2_widen_positions(b, rows, chunks, widened);
         tile = widened;
     }
     for (int h = 0; h < b->num_heads; h++) {
