@@ -1174,7 +1174,8 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) vfloat
     __m256 values[2];
     for (int i = 0; i < 2; i++) {
         const __m128i eight = i ? upper : codes;
-        const __m256 u8 = _mm256_cvtepi32_ps(type == GGML_Q8_0 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight));
+        const __m256i integers = type == GGML_Q8_0 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+        const __m256 u8 = _mm256_cvtepi32_ps(integers);
         if (type == GGML_Q8_0)
             values[i] = _mm256_mul_ps(scale8, u8);
         else if (run->zero)

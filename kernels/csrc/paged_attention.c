@@ -118,7 +118,8 @@ static inline __attribute__((always_inline)) void avx2_add_weighted_rows(
         for (int p = 0; p < len; p++) {
             const __m256 broadcast = _mm256_broadcast_ss(&weight[p]);
             const float *value = rows + p * stride + from * LANES;
-            for (int i = 0; i < registers; i++) sum[i] = _mm256_fmadd_ps(broadcast, _mm256_loadu_ps(value + 8 * i), sum[i]);
+            for (int i = 0; i < registers; i++)
+                sum[i] = _mm256_fmadd_ps(broadcast, _mm256_loadu_ps(value + 8 * i), sum[i]);
         }
         for (int i = 0; i < registers; i++) _mm256_storeu_ps(sums_at + 8 * i, sum[i]);
     }
@@ -154,8 +155,9 @@ static inline __attribute__((always_inline)) vfloat avx2_dot_rows(
             __m256 low = _mm256_mul_ps(_mm256_loadu_ps(query), _mm256_loadu_ps(key));
             __m256 high = _mm256_mul_ps(_mm256_loadu_ps(query + 8), _mm256_loadu_ps(key + 8));
             for (int c = 1; c < chunks; c++) {
-                low = _mm256_fmadd_ps(_mm256_loadu_ps(query + c * LANES), _mm256_loadu_ps(key + c * LANES), low);
-                high = _mm256_fmadd_ps(_mm256_loadu_ps(query + c * LANES + 8), _mm256_loadu_ps(key + c * LANES + 8), high);
+                const float *q_chunk = query + c * LANES, *k_chunk = key + c * LANES;
+                low = _mm256_fmadd_ps(_mm256_loadu_ps(q_chunk), _mm256_loadu_ps(k_chunk), low);
+                high = _mm256_fmadd_ps(_mm256_loadu_ps(q_chunk + 8), _mm256_loadu_ps(k_chunk + 8), high);
             }
             dots[i] = _mm256_add_ps(low, high);
         }
@@ -595,7 +597,8 @@ static inline __attribute__((always_inline)) void avx2_widen_positions(
     const Batch *b, const char *rows, const int chunks, float *widened)
 {
     const int64_t position_floats = (int64_t)b->num_kv_heads * chunks * LANES;
-    avx2_widen_rows(rows, position_floats * dtype_size(b->cache_dtype), LANES, position_floats, b->cache_dtype, widened);
+    const int dtype = b->cache_dtype;
+    avx2_widen_rows(rows, position_floats * dtype_size(dtype), LANES, position_floats, dtype, widened);
 }
 
 /* scores[h] = the scores of every head's query q[h] with the tile from `rows`, widened into

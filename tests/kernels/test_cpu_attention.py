@@ -282,7 +282,9 @@ def test_the_avx2_build_matches_reference(avx2_build, batch, dtype):
     assert_close(run_kernel(b), b.reference())
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=["bf16", "fp16", "fp8"])
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=["bf16", "fp16", "fp8"]
+)
 def test_the_avx2_build_widens_a_narrower_cache_under_a_float32_model(avx2_build, cache_dtype):
     b = make_batch(*LONG_BATCH, 3, 64, 16, torch.float32)
     b.kv_cache = b.kv_cache.to(cache_dtype)
@@ -291,7 +293,7 @@ def test_the_avx2_build_widens_a_narrower_cache_under_a_float32_model(avx2_build
 
 @pytest.mark.parametrize("group,head_dim", [(3, 64), (6, 128)])
 def test_the_avx2_build_gives_a_decode_row_the_bits_of_a_verification(avx2_build, group, head_dim):
-    """The AVX2 build's decode walk reads rows in place and scores them in its own registers;
+    """The AVX2 build's decode walk widens its tiles and scores them in its own registers;
     attend_tile scores with the same function, so the bits still agree."""
     assert_decode_rows_equal_a_verification(group, head_dim, None, torch.float32)
 
