@@ -325,15 +325,14 @@ static __attribute__((optimize("fp-contract=off"))) void quantize_row(
     const void *x, int dtype, int64_t m, int64_t in_features, struct QuantizedRun *runs)
 {
     const char *row = (const char *)x + m * in_features * dtype_size(dtype);
-    const f32x16 magic = (f32x16){0} + 12582912.f;
     for (int64_t k = 0; k < in_features; k += RUN) {
         f32x16 v[2];
         load_row(row + k * dtype_size(dtype), dtype, (float *)v, RUN);
         struct QuantizedRun *r = &runs[k / RUN];
 #if defined(VECTORS_ARE_AVX2_PAIRS)
         avx2_quantize_run((const float *)v, r);
-        continue;
-#endif
+#else
+        const f32x16 magic = (f32x16){0} + 12582912.f;
         const f32x16 first = (f32x16)((u32x16)v[0] & 0x7fffffffu), second = (f32x16)((u32x16)v[1] & 0x7fffffffu);
         const float amax = max_of_lanes(select_lanes(first > second, first, second));
         r->d = amax / 32767.f;
@@ -347,6 +346,7 @@ static __attribute__((optimize("fp-contract=off"))) void quantize_row(
         r->scaled_sum[0] = r->d * sums[0];
         r->scaled_sum[1] = r->d * sums[1];
         r->scaled_total = r->d * (sums[0] + sums[1]);
+#endif
     }
 }
 
@@ -1186,12 +1186,13 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) vfloat
     vfloat result;
     memcpy(&result, values, sizeof result);
     return result;
-#endif
+#else
     const vfloat scale = (vfloat){0} + run->scale[h];
     if (type == GGML_Q8_0) return scale * __builtin_convertvector((i8x16)run->u[h], vfloat);
     const vfloat u = __builtin_convertvector(run->u[h], vfloat);
     if (run->zero) return scale * (u - (float)run->zero);
     return scale * u + run->offset[h];
+#endif
 }
 
 /* out = the float values of `rows` rows of `cols` values each, stored as `type` blocks, rounded

@@ -177,23 +177,8 @@ static inline __attribute__((always_inline)) void avx2_widen_rows(
     const size_t item = dtype_size(dtype);
     for (int r = 0; r < count; r++)
         for (int64_t i = 0; i < row_floats; i += LANES) {
-            const char *src = first + r * stride + i * item;
             __m256 halves[2];
-            if (dtype == DTYPE_FLOAT32) {
-                halves[0] = _mm256_loadu_ps((const float *)src);
-                halves[1] = _mm256_loadu_ps((const float *)src + 8);
-            } else if (dtype == DTYPE_FLOAT8_E4M3) {
-                const __m256i bits = float8_e4m3_halves(src);
-                halves[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), _mm256_set1_ps(256.f));
-                halves[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), _mm256_set1_ps(256.f));
-            } else {
-                for (int h = 0; h < 2; h++) {
-                    const __m128i narrow = _mm_loadu_si128((const __m128i *)(src + 8 * h * item));
-                    halves[h] = dtype == DTYPE_FLOAT16
-                                    ? _mm256_cvtph_ps(narrow)
-                                    : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(narrow), 16));
-                }
-            }
+            avx2_widen_16(first + r * stride + i * item, dtype, halves);
             _mm256_storeu_ps(out + r * row_floats + i, halves[0]);
             _mm256_storeu_ps(out + r * row_floats + i + 8, halves[1]);
         }
@@ -679,7 +664,9 @@ static inline __attribute__((always_inline)) void attend_decode_row(
     const int kv_heads = b->num_kv_heads, head_dim = chunks * LANES;
     const size_t cache_item = dtype_size(b->cache_dtype);
     const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
+#if defined(AMX_TILES) || defined(VECTORS_ARE_AVX2_PAIRS)
     const int64_t position_bytes = (int64_t)kv_heads * head_dim * cache_item;
+#endif
     vfloat weights[heads], scores[heads];
 #if defined(VECTORS_ARE_AVX2_PAIRS)
     float widened[LANES * kv_heads * head_dim];

@@ -51,6 +51,28 @@ static inline __m256i float8_e4m3_halves(const char *src)
         _mm256_or_si256(_mm256_slli_epi16(magnitude, 7), _mm256_slli_epi16(_mm256_xor_si256(wide, magnitude), 8)),
         _mm256_and_si256(nan, _mm256_set1_epi16(0x7e00))); /* a float16 NaN */
 }
+
+/* The 16 elements of `dtype` at `src` as float32, in two AVX2 registers: F16C's conversions and
+ * whole-register widening, where GCC converts a 16-lane vector of another dtype a lane at a time. */
+static inline __attribute__((always_inline)) void avx2_widen_16(const char *src, int dtype, __m256 halves[2])
+{
+    if (dtype == DTYPE_FLOAT32) {
+        halves[0] = _mm256_loadu_ps((const float *)src);
+        halves[1] = _mm256_loadu_ps((const float *)src + 8);
+    } else if (dtype == DTYPE_FLOAT8_E4M3) {
+        const __m256i bits = float8_e4m3_halves(src);
+        const __m256 scale = _mm256_set1_ps(256.f);
+        halves[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), scale);
+        halves[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), scale);
+    } else {
+        for (int h = 0; h < 2; h++) {
+            const __m128i narrow = _mm_loadu_si128((const __m128i *)(src + 16 * h));
+            halves[h] = dtype == DTYPE_FLOAT16
+                            ? _mm256_cvtph_ps(narrow)
+                            : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(narrow), 16));
+        }
+    }
+}
 #endif
 
 /* 16 consecutive elements of `dtype` at `src`, as float32. */
@@ -59,27 +81,26 @@ static inline vfloat load_lanes(const char *src, int dtype)
     vfloat result;
     if (dtype == DTYPE_FLOAT32) {
         memcpy(&result, src, sizeof result);
-    } else if (dtype == DTYPE_BFLOAT16) {
-#if defined(__AVX512F__)
+        return result;
+    }
+#if defined(__AVX512F__) && defined(__F16C__)
+    if (dtype == DTYPE_BFLOAT16)
         result = (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16);
+    else if (dtype == DTYPE_FLOAT8_E4M3) /* float8_e4m3_to_float, 16 codes at once */
+        result = (vfloat)_mm512_mul_ps(_mm512_cvtph_ps(float8_e4m3_halves(src)), _mm512_set1_ps(256.f));
+    else
+        result = (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
+#elif defined(__AVX2__) && defined(__F16C__)
+    __m256 halves[2];
+    avx2_widen_16(src, dtype, halves);
+    memcpy(&result, halves, sizeof result);
 #else
+    if (dtype == DTYPE_BFLOAT16) {
         vhalfbits bits;
         memcpy(&bits, src, sizeof bits);
         vbits widened = __builtin_convertvector(bits, vbits) << 16;
         memcpy(&result, &widened, sizeof result);
-#endif
     } else if (dtype == DTYPE_FLOAT8_E4M3) {
-        /* float8_e4m3_to_float, 16 codes at once. */
-#if defined(__AVX2__) && defined(__F16C__)
-        const __m256i bits = float8_e4m3_halves(src);
-#if defined(__AVX512F__)
-        result = (vfloat)_mm512_mul_ps(_mm512_cvtph_ps(bits), _mm512_set1_ps(256.f));
-#else
-        const __m256 halves[2] = {_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), _mm256_set1_ps(256.f)),
-                                  _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), _mm256_set1_ps(256.f))};
-        memcpy(&result, halves, sizeof result);
-#endif
-#else
         vcodes codes;
         memcpy(&codes, src, sizeof codes);
         const vhalfbits wide = __builtin_convertvector(codes, vhalfbits);
@@ -89,20 +110,12 @@ static inline vfloat load_lanes(const char *src, int dtype)
         const vfloat finite = __builtin_convertvector(half, vfloat) * 256.f;
         const vfloat magnitude = select_lanes(finite < 0, -finite, finite);
         result = select_lanes(magnitude == 480.f, (vfloat){0} + NAN, finite);
-#endif
-    } else { /* float16: F16C's conversion, which GCC does not emit for a vector's own (a lane at a time) */
-#if defined(__AVX512F__)
-        result = (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
-#elif defined(__AVX2__) && defined(__F16C__)
-        const __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)),
-                                  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16)))};
-        memcpy(&result, halves, sizeof result);
-#else
+    } else {
         vhalf half;
         memcpy(&half, src, sizeof half);
         result = __builtin_convertvector(half, vfloat);
-#endif
     }
+#endif
     return result;
 }
 
