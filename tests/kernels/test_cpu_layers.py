@@ -7,8 +7,10 @@ the torch code run in float32 and rounded once, as the kernel does.
 """
 
 import ctypes
+import functools
 import platform
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,9 +86,36 @@ def test_rotary_in_place_on_a_strided_qkv_matches_torch(dtype, head_dim):
     assert qkv[:, (q_heads + kv_heads) * head_dim :].equal(value)
 
 
+# Builds of layers.c beside this CPU's own, each with the CPU flag it needs to run here.
+BUILDS = {"portable": ("x86-64", None), "avx2": ("x86-64-v3", "avx2")}
+
+
+@functools.cache
+def layers_built_for(march: str, directory: Path) -> ctypes.CDLL:
+    output = directory / f"layers-{march}.so"
+    native.compile_library("cc", native.flags_for(march), output, [native.SOURCE_DIR / "layers.c"])
+    return native.declare_signatures(ctypes.CDLL(str(output)), ["argmax_rows", "silu_and_mul"])
+
+
+@pytest.fixture(params=["own", *BUILDS])
+def layers_build(request, tmp_path_factory, monkeypatch):
+    """The bodies of the kernels with code of their own for AVX2 builds: this CPU's own build,
+    then the x86-64 baseline's portable vectors and the AVX2 build, each in place of the own
+    build where this CPU runs it."""
+    if request.param == "own":
+        return
+    march, needed_flag = BUILDS[request.param]
+    if shutil.which("cc") is None or platform.machine() != "x86_64":
+        pytest.skip("needs a C compiler on x86-64")
+    if needed_flag and needed_flag not in cpu_features.cpu_flags():
+        pytest.skip(f"this CPU has no {needed_flag} to run the {request.param} build")
+    library = layers_built_for(march, tmp_path_factory.getbasetemp())
+    monkeypatch.setattr(native, "load_library", lambda: library)
+
+
 @pytest.mark.parametrize("dtype", TOLERANCES, ids=IDS)
 @pytest.mark.parametrize("width", [1536, 40], ids=["lanes", "ragged"])
-def test_silu_and_mul_matches_torch(dtype, width):
+def test_silu_and_mul_matches_torch(layers_build, dtype, width):
     torch.manual_seed(2)
     gate_up = (torch.randn(70, 2 * width) * 4).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp saturates both ways
@@ -125,39 +154,15 @@ def test_convert_keeps_infinities_and_nans():
     assert torch.equal(converted[numbers].float().signbit(), x[numbers].to(torch.bfloat16).float().signbit())
 
 
-# Builds of layers.c beside this CPU's own, each with the CPU flag it needs to run here.
-BUILDS = {"portable": ("x86-64", None), "avx2": ("x86-64-v3", "avx2")}
-
-
-@pytest.fixture(params=["own", *BUILDS], scope="module")
-def argmax_build(request, tmp_path_factory):
-    """argmax's bodies: this CPU's own build, then the x86-64 baseline's portable vectors and the
-    AVX2 build's own registers, each in place of the own build where this CPU runs it."""
-    if request.param == "own":
-        yield
-        return
-    march, needed_flag = BUILDS[request.param]
-    if shutil.which("cc") is None or platform.machine() != "x86_64":
-        pytest.skip("needs a C compiler on x86-64")
-    if needed_flag and needed_flag not in cpu_features.cpu_flags():
-        pytest.skip(f"this CPU has no {needed_flag} to run the {request.param} build")
-    output = tmp_path_factory.mktemp(request.param) / "layers.so"
-    native.compile_library("cc", native.flags_for(march), output, [native.SOURCE_DIR / "layers.c"])
-    library = native.declare_signatures(ctypes.CDLL(str(output)), ["argmax_rows"])
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(native, "load_library", lambda: library)
-        yield
-
-
 @pytest.mark.parametrize("shape", [(1, 49152), (64, 1000), (3, 7), (2, 16)], ids=["vocabulary", "threaded", "short", "one_vector"])
-def test_argmax_picks_what_torch_max_picks(argmax_build, shape):
+def test_argmax_picks_what_torch_max_picks(layers_build, shape):
     torch.manual_seed(0)
     x = torch.randn(shape)
     x[0, -1] = x[0].max() + 1  # the largest in the tail past the last whole vector
     assert torch.equal(cpu_layers.argmax(x), x.max(dim=-1).indices)
 
 
-def test_argmax_takes_the_first_of_equal_largest_values(argmax_build):
+def test_argmax_takes_the_first_of_equal_largest_values(layers_build):
     x = torch.zeros(4, 40)
     x[0, [3, 19, 35]] = 5.0  # in different lanes
     x[1, [20, 36]] = 5.0  # in the same lane of different vectors
@@ -166,7 +171,7 @@ def test_argmax_takes_the_first_of_equal_largest_values(argmax_build):
     assert cpu_layers.argmax(x).tolist() == [3, 20, 21, 0]
 
 
-def test_argmax_picks_the_first_nan_as_torch_max_does(argmax_build):
+def test_argmax_picks_the_first_nan_as_torch_max_does(layers_build):
     x = torch.randn(2, 40)
     x[0, [30, 5]] = float("nan")
     x[1, 38] = float("nan")
