@@ -32,7 +32,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", TOLERANCES, ids=IDS)
 @pytest.mark.parametrize("rows", [1, 200], ids=["one_row", "threaded"])
 @pytest.mark.parametrize("width", [576, 100], ids=["lanes", "ragged"])
-def test_rms_norm_with_residual_matches_torch(dtype, rows, width):
+def test_rms_norm_with_residual_matches_torch(layers_build, dtype, rows, width):
     torch.manual_seed(0)
     x, residual = (torch.randn(rows, width).to(dtype) for _ in range(2))
     weight = torch.rand(width).to(dtype)
@@ -62,7 +62,7 @@ def test_rms_norm_adds_into_the_residual_in_place():
 
 
 @pytest.mark.parametrize("dtype", TOLERANCES, ids=IDS)
-def test_rms_norm_without_residual_returns_x_as_the_residual(dtype):
+def test_rms_norm_without_residual_returns_x_as_the_residual(layers_build, dtype):
     x, weight = torch.randn(3, 80).to(dtype), torch.rand(80).to(dtype)
     out, new_residual = cpu_layers.rms_norm(x, None, weight, 1e-6)
     assert new_residual is x
@@ -94,7 +94,7 @@ BUILDS = {"portable": ("x86-64", None), "avx2": ("x86-64-v3", "avx2")}
 def layers_built_for(march: str, directory: Path) -> ctypes.CDLL:
     output = directory / f"layers-{march}.so"
     native.compile_library("cc", native.flags_for(march), output, [native.SOURCE_DIR / "layers.c"])
-    return native.declare_signatures(ctypes.CDLL(str(output)), ["argmax_rows", "silu_and_mul"])
+    return native.declare_signatures(ctypes.CDLL(str(output)), ["argmax_rows", "silu_and_mul", "rms_norm"])
 
 
 @pytest.fixture(params=["own", *BUILDS])
