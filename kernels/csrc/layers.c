@@ -107,22 +107,27 @@ void rms_norm(const void *x, void *residual, const void *weight, void *out, int6
     const int chunks = (width + LANES - 1) / LANES;
 #pragma omp parallel num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
     {
-        vfloat w[chunks];
-        for (int c = 0; c < chunks; c++) w[c] = load_first_lanes((const char *)weight + c * LANES * item, dtype, lanes_in(c, width));
-#pragma omp for
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t row = r * width * item;
-#define RMS_NORM_ROW(DTYPE)                                                                                          \
-    rms_norm_row((const char *)x + row, residual ? (char *)residual + row : NULL, w, (char *)out + row, width, chunks, \
-                 eps, DTYPE)
 #if defined(VECTORS_ARE_AVX2_PAIRS)
-            if (dtype == DTYPE_FLOAT32)
+        if (dtype == DTYPE_FLOAT32) { /* its rows read the weight in place */
+#pragma omp for
+            for (int64_t r = 0; r < rows; r++)
                 avx2_rms_norm_row((const float *)x + r * width, residual ? (float *)residual + r * width : NULL,
                                   (const float *)weight, (float *)out + r * width, width, eps);
-            else
+        } else
 #endif
+        {
+            vfloat w[chunks];
+            for (int c = 0; c < chunks; c++)
+                w[c] = load_first_lanes((const char *)weight + c * LANES * item, dtype, lanes_in(c, width));
+#pragma omp for
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t row = r * width * item;
+#define RMS_NORM_ROW(DTYPE)                                                                                        \
+    rms_norm_row((const char *)x + row, residual ? (char *)residual + row : NULL, w, (char *)out + row, width, \
+                 chunks, eps, DTYPE)
                 FOR_DTYPE(dtype, RMS_NORM_ROW);
 #undef RMS_NORM_ROW
+            }
         }
     }
 }

@@ -6,15 +6,12 @@ the output dtype: both kernels compute in float32 and round the output once, so 
 at most the ulp a float32-level difference can tip over.
 """
 
-import ctypes
-import platform
-import shutil
-
 import pytest
 import torch
 
-from strata.kernels import cpu_attention, cpu_features, native, reference
+import kernel_builds
 from paged_batches import BATCHES, LAYOUTS, NUM_KV_HEADS, forward_beside_torch_backend, make_batch
+from strata.kernels import cpu_attention, reference
 from strata.worker.attention import CpuAttentionBackend, get_attention_backend
 
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -226,47 +223,33 @@ def test_cpu_is_the_default_backend_on_cpu():
     assert get_attention_backend(None, torch.device("cpu")).name == "cpu"
 
 
-def kernel_built_for(march: str, folder) -> ctypes.CDLL:
-    """``paged_attention.c`` alone, built for ``march`` into ``folder``."""
-    output = folder / "paged_attention.so"
-    native.compile_library("cc", native.flags_for(march), output, [native.SOURCE_DIR / "paged_attention.c"])
-    return native.declare_signatures(ctypes.CDLL(str(output)), ["paged_attention"])
+def swapped_in(march: str, needed_flags: set[str], tmp_path_factory):
+    library = kernel_builds.runnable_build(
+        march, needed_flags, ["paged_attention.c"], ["paged_attention"], tmp_path_factory
+    )
+    with kernel_builds.in_place_of_own_build(library):
+        yield
 
 
 @pytest.fixture(scope="module")
 def avx2_build(tmp_path_factory):
     """The kernel built for AVX2 (``x86-64-v3``), whose vectors are pairs of registers, in place
     of this CPU's own build; on an AVX2 machine it is the same code as the native build."""
-    if shutil.which("cc") is None or "avx2" not in cpu_features.cpu_flags():
-        pytest.skip("needs a C compiler and a CPU with AVX2")
-    with pytest.MonkeyPatch.context() as patch:
-        library = kernel_built_for("x86-64-v3", tmp_path_factory.mktemp("avx2"))
-        patch.setattr(native, "load_library", lambda: library)
-        yield
+    yield from swapped_in("x86-64-v3", {"avx2"}, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def portable_build(tmp_path_factory):
     """The kernel built for the x86-64 baseline: no AVX, the portable vector code (what other
     architectures build) in place of this CPU's own build."""
-    if shutil.which("cc") is None or platform.machine() != "x86_64":
-        pytest.skip("needs a C compiler on x86-64")
-    with pytest.MonkeyPatch.context() as patch:
-        library = kernel_built_for("x86-64", tmp_path_factory.mktemp("portable"))
-        patch.setattr(native, "load_library", lambda: library)
-        yield
+    yield from swapped_in("x86-64", set(), tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def avx512_build(tmp_path_factory):
     """The kernel built for AVX-512 without AVX512-BF16 or AMX (``icelake-server``): on a CPU with
     AMX, the bfloat16 scores that CPUs without it compute in vectors."""
-    if shutil.which("cc") is None or not {"avx512f", "avx512bw", "avx512vl"} <= cpu_features.cpu_flags():
-        pytest.skip("needs a C compiler and a CPU with AVX-512 (F, BW, VL)")
-    with pytest.MonkeyPatch.context() as patch:
-        library = kernel_built_for("icelake-server", tmp_path_factory.mktemp("avx512"))
-        patch.setattr(native, "load_library", lambda: library)
-        yield
+    yield from swapped_in("icelake-server", {"avx512f", "avx512bw", "avx512vl"}, tmp_path_factory)
 
 
 @pytest.mark.parametrize("batch", [BATCHES["mixed"], LONG_BATCH], ids=["mixed", "long"])

@@ -11,19 +11,17 @@ at most 2^-9 of the largest value magnitude), and the output is rounded to bfloa
 its magnitude): the bound doubles both. In float32 only float32 sums round.
 """
 
-import ctypes
-import shutil
-
 import pytest
 import torch
 
+import kernel_builds
 from strata.kernels import cpu_attention, cpu_features, native
 
 BLOCK_SIZE = 16
 AVX2 = "x86-64-v3"
 PORTABLE = "x86-64"
 AVX512_BF16 = "cooperlake"  # AVX512-BF16 without AMX
-SOURCES = [native.SOURCE_DIR / "chunk_attention.c", native.SOURCE_DIR / "chunk_attention_avx512bf16.c"]
+NEEDED_FLAGS = {AVX2: {"avx2"}, PORTABLE: set(), AVX512_BF16: {"avx512_bf16"}}
 
 
 @pytest.fixture(params=["native", AVX2, PORTABLE, AVX512_BF16], scope="module")
@@ -35,19 +33,14 @@ def build(request, tmp_path_factory) -> None:
     if request.param == "native":
         yield
         return
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler")
-    if request.param == AVX512_BF16 and "avx512_bf16" not in cpu_features.cpu_flags():
-        pytest.skip("this CPU has no AVX512-BF16 to run that build")
-    output = tmp_path_factory.mktemp("chunk-builds") / f"chunk-{request.param}.so"
-    native.compile_library("cc", native.flags_for(request.param), output, SOURCES)
-    names = ["chunk_attention", "chunk_attention_bf16", "chunk_attention_bf16_body"]
-    library = native.declare_signatures(ctypes.CDLL(str(output)), names)
+    sources = ["chunk_attention.c", "chunk_attention_avx512bf16.c"]
+    functions = ["chunk_attention", "chunk_attention_bf16", "chunk_attention_bf16_body"]
+    library = kernel_builds.runnable_build(
+        request.param, NEEDED_FLAGS[request.param], sources, functions, tmp_path_factory
+    )
     assert library.chunk_attention_bf16_body() == (0 if request.param in (AVX2, PORTABLE) else 1)
-    patch = pytest.MonkeyPatch()
-    patch.setattr(native, "load_library", lambda: library)
-    yield
-    patch.undo()
+    with kernel_builds.in_place_of_own_build(library):
+        yield
 
 
 def paged_chunk(rows: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype=torch.bfloat16, seed=0):

@@ -6,16 +6,11 @@ the torch code rounds but compute each step in float32 before rounding. Rotary i
 the torch code run in float32 and rounded once, as the kernel does.
 """
 
-import ctypes
-import functools
-import platform
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 
-from strata.kernels import cpu_features, cpu_layers, native
+import kernel_builds
+from strata.kernels import cpu_layers
 from strata.worker.layers import apply_rotary, rms_norm, silu_and_mul
 
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1 / 128), torch.float16: (1e-3, 1 / 1024)}
@@ -86,31 +81,23 @@ def test_rotary_in_place_on_a_strided_qkv_matches_torch(dtype, head_dim):
     assert qkv[:, (q_heads + kv_heads) * head_dim :].equal(value)
 
 
-# Builds of layers.c beside this CPU's own, each with the CPU flag it needs to run here.
-BUILDS = {"portable": ("x86-64", None), "avx2": ("x86-64-v3", "avx2")}
-
-
-@functools.cache
-def layers_built_for(march: str, directory: Path) -> ctypes.CDLL:
-    output = directory / f"layers-{march}.so"
-    native.compile_library("cc", native.flags_for(march), output, [native.SOURCE_DIR / "layers.c"])
-    return native.declare_signatures(ctypes.CDLL(str(output)), ["argmax_rows", "silu_and_mul", "rms_norm"])
+# Builds of layers.c beside this CPU's own, each with the CPU flags it needs to run here.
+BUILDS = {"portable": ("x86-64", set()), "avx2": ("x86-64-v3", {"avx2"})}
 
 
 @pytest.fixture(params=["own", *BUILDS])
-def layers_build(request, tmp_path_factory, monkeypatch):
+def layers_build(request, tmp_path_factory):
     """The bodies of the kernels with code of their own for AVX2 builds: this CPU's own build,
     then the x86-64 baseline's portable vectors and the AVX2 build, each in place of the own
     build where this CPU runs it."""
     if request.param == "own":
+        yield
         return
-    march, needed_flag = BUILDS[request.param]
-    if shutil.which("cc") is None or platform.machine() != "x86_64":
-        pytest.skip("needs a C compiler on x86-64")
-    if needed_flag and needed_flag not in cpu_features.cpu_flags():
-        pytest.skip(f"this CPU has no {needed_flag} to run the {request.param} build")
-    library = layers_built_for(march, tmp_path_factory.getbasetemp())
-    monkeypatch.setattr(native, "load_library", lambda: library)
+    march, needed_flags = BUILDS[request.param]
+    functions = ["argmax_rows", "silu_and_mul", "rms_norm"]
+    library = kernel_builds.runnable_build(march, needed_flags, ["layers.c"], functions, tmp_path_factory)
+    with kernel_builds.in_place_of_own_build(library):
+        yield
 
 
 @pytest.mark.parametrize("dtype", TOLERANCES, ids=IDS)

@@ -9,9 +9,7 @@ of ``d = a / 32767``, so off by at most ``d / 2``; an output is then off by at m
 ``sum_k |w_k x_k|``).
 """
 
-import functools
 import importlib.util
-import shutil
 from pathlib import Path
 
 import gguf
@@ -19,16 +17,20 @@ import numpy as np
 import pytest
 import torch
 
-from strata.kernels import cpu_features, cpu_layers, gguf_linear, native
+import kernel_builds
+from strata.kernels import cpu_layers, gguf_linear, native
 
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler to build the CPU kernels")
 
 # Byte offsets of each block's float16 scales (and mins): random bytes there could be inf or NaN.
 HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-SOURCE = native.SOURCE_DIR / "gguf_linear.c"
-# Each build's -march, and the CPU flag it needs to run here.
-BUILDS = {"AVX2": ("x86-64-v3", "avx2"), "AVX512 without VNNI": ("skylake-avx512", "avx512bw"), "portable": ("x86-64", None)}
+# Each build's -march, and the CPU flags it needs to run here.
+BUILDS = {
+    "AVX2": ("x86-64-v3", {"avx2"}),
+    "AVX512 without VNNI": ("skylake-avx512", {"avx512bw"}),
+    "portable": ("x86-64", set()),
+}
 # The loader of the kernels built for this CPU, kept before the ``body`` fixture replaces it.
 OWN_BUILD = native.load_library
 
@@ -67,17 +69,6 @@ def assert_within_activation_rounding(out: torch.Tensor, x: torch.Tensor, weight
     assert (error <= bound).all(), f"largest excess over the bound: {(error - bound).max().item():.3g}"
 
 
-@functools.cache
-def build(march: str, directory: Path) -> object:
-    output = directory / f"gguf-{march}.so"
-    native.compile_library("cc", native.flags_for(march), output, [SOURCE, native.SOURCE_DIR / "layers.c"])
-    import ctypes
-
-    names = ["quantized_linear", "quantized_swiglu", "gguf_linear_supports", "gguf_linear_body", "gguf_dequantize",
-             "gguf_interleave", "silu_and_mul"]
-    return native.declare_signatures(ctypes.CDLL(str(output)), names)
-
-
 @pytest.fixture(params=["native", *BUILDS], scope="module")
 def body(request, tmp_path_factory) -> str:
     """Each body this CPU runs: the kernels' own build, then the AVX2, AVX-512 without VNNI and
@@ -85,16 +76,14 @@ def body(request, tmp_path_factory) -> str:
     if request.param == "native":
         yield gguf_linear.body()
         return
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler")
-    march, needed_flag = BUILDS[request.param]
-    if needed_flag and needed_flag not in cpu_features.cpu_flags():
-        pytest.skip(f"this CPU has no {needed_flag} to run the {request.param} build")
-    library = build(march, tmp_path_factory.mktemp("gguf-builds"))
-    patch = pytest.MonkeyPatch()
-    patch.setattr(native, "load_library", lambda: library)
-    yield gguf_linear.body()
-    patch.undo()
+    march, needed_flags = BUILDS[request.param]
+    functions = ["quantized_linear", "quantized_swiglu", "gguf_linear_supports", "gguf_linear_body",
+                 "gguf_dequantize", "gguf_interleave", "silu_and_mul"]
+    library = kernel_builds.runnable_build(
+        march, needed_flags, ["gguf_linear.c", "layers.c"], functions, tmp_path_factory
+    )
+    with kernel_builds.in_place_of_own_build(library):
+        yield gguf_linear.body()
 
 
 @pytest.mark.parametrize("type_name", list(HALF_FIELDS))
