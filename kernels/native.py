@@ -8,6 +8,7 @@ change to any of them builds a new one. It uses OpenMP from the runtime torch ha
 loaded, so its threads are torch's threads.
 """
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -80,7 +81,7 @@ _SIGNATURES = {
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernels, or ``None`` (logged once) when this machine cannot build them:
     no C compiler, or the compiler fails."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = _compiler()
     if compiler is None:
         logger.warning("no C compiler found (set CC): the CPU path falls back to torch code")
         return None
@@ -93,6 +94,17 @@ def load_library() -> ctypes.CDLL | None:
         logger.warning("loading the C kernels failed, the CPU path falls back to torch code: %s", error)
         return None
     return declare_signatures(library)
+
+
+def library_key() -> str | None:
+    """What this machine's kernels are built from (the sources, the flags, the compiler and the
+    CPU), hashed; None without a C compiler."""
+    compiler = _compiler()
+    return _build_key(compiler) if compiler else None
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
 
 
 def declare_signatures(library: ctypes.CDLL, names: Iterable[str] | None = None) -> ctypes.CDLL:
@@ -116,14 +128,28 @@ def _build_flags() -> list[str]:
 
 def compile_library(compiler: str, flags: list[str], output: Path, sources: list[Path] | None = None) -> None:
     """Compile ``sources`` (default: every source of ``csrc``) with ``flags`` into the shared
-    library ``output``; raises ``CalledProcessError`` (with the compiler's messages) when that fails."""
+    library ``output``; raises ``CalledProcessError`` (with the compiler's messages) when that fails.
+
+    The sources compile side by side, a compiler process per core, then link: the first build is
+    most of an engine's first start, and one compiler run over them all used a single core."""
     sources = sources or sorted(SOURCE_DIR.glob("*.c"))
-    command = [compiler, *flags, "-I", str(SOURCE_DIR), *map(str, sources), "-o", str(output), "-lm"]
-    subprocess.run(command, check=True, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix="strata-kernels-") as objects_dir:
+        objects = [Path(objects_dir) / f"{index}-{source.stem}.o" for index, source in enumerate(sources)]
+
+        def compile_object(source: Path, object_file: Path) -> None:
+            command = [compiler, *flags, "-c", "-I", str(SOURCE_DIR), str(source), "-o", str(object_file)]
+            subprocess.run(command, check=True, capture_output=True, text=True)
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            compiling = [pool.submit(compile_object, *pair) for pair in zip(sources, objects)]
+            for compiled in compiling:
+                compiled.result()  # raises the first failure; leaving the pool waits for the rest
+        link = [compiler, *flags, *map(str, objects), "-o", str(output), "-lm"]
+        subprocess.run(link, check=True, capture_output=True, text=True)
 
 
 def _build(compiler: str) -> Path:
-    target = _cache_root() / f"native-{_build_key(compiler)}.so"
+    target = cache_dir("kernels") / f"native-{_build_key(compiler)}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -148,6 +174,8 @@ def _build_key(compiler: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def _cache_root() -> Path:
+def cache_dir(kind: str) -> Path:
+    """``$STRATA_CACHE_DIR/kind`` (``STRATA_CACHE_DIR`` defaults to ``~/.cache/strata``): where
+    this machine keeps what it built or measured once, by kind (kernels, models, plans)."""
     strata_cache = os.environ.get("STRATA_CACHE_DIR")
-    return (Path(strata_cache) if strata_cache else Path.home() / ".cache" / "strata") / "kernels"
+    return (Path(strata_cache) if strata_cache else Path.home() / ".cache" / "strata") / kind

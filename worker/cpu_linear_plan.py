@@ -16,11 +16,18 @@ measured at start on a slice of the model's own largest linear: the largest row 
 adds up the same timings, so all ranks choose alike.
 
 The two paths round differently, so a crossover moved by a noisy timing changes the bits a step
-computes, and with them a sampled token at a near tie. A single-rank process therefore measures
-each crossover once and every engine it starts later reuses it: two engines of one process on
-the same weights compute alike (the test of drafts against no drafts relies on it).
+computes, and with them a sampled token at a near tie. A single rank therefore measures each
+crossover once per machine (kernels, torch and thread count) and keeps it under
+``$STRATA_CACHE_DIR/plans``; every engine started later, in this process or another, reuses it:
+two engines on the same weights compute alike (the test of drafts against no drafts relies on
+it), and a start skips the second or two the timings take.
 """
 
+import hashlib
+import json
+import logging
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels import cpu_features, cpu_linear, gguf_linear, onednn_linear
+from strata.kernels import cpu_features, cpu_linear, gguf_linear, native, onednn_linear
 from strata.worker.config import CPU_BF16_LINEAR_MODES
 from strata.worker.fused_decode_layers import fuse_cpu_decode_layers
 from strata.worker.parallel_state import TensorParallel
@@ -42,6 +49,8 @@ TIMED_REPEATS = 5
 
 PlannedLinear = ColumnParallelLinear | RowParallelLinear | ParallelLMHead  # the layers a plan applies to
 Crossover = tuple[int, list[tuple[int, float, float]]]  # (rows, [(rows, small s, large s), ...])
+
+logger = logging.getLogger(__name__)
 
 _measured: dict[tuple, Crossover] = {}  # this process's single-rank crossovers, by what was timed
 
@@ -254,14 +263,37 @@ def _largest_streamable_weight(model: nn.Module) -> torch.Tensor | None:
 
 
 def _measured_once(key: tuple, tp: TensorParallel, measure: Callable[[], Crossover]) -> Crossover:
-    """``measure()``, or on a single rank what it gave the last time this process timed ``key``.
-    Ranks of a group always measure: each takes part in the sum of the timings, and one cannot
-    know whether the others measured before."""
+    """``measure()``, or on a single rank what it gave the last time this machine timed ``key``
+    with the same kernels, torch and threads: in this process, or in another one, from the file it
+    left under ``$STRATA_CACHE_DIR/plans`` (delete the folder to time anew). Ranks of a group
+    always measure: each takes part in the sum of the timings, and one cannot know whether the
+    others measured before."""
     if tp.size > 1:
         return measure()
     if key not in _measured:
-        _measured[key] = measure()
+        _measured[key] = _stored(key, measure)
     return _measured[key]
+
+
+def _stored(key: tuple, measure: Callable[[], Crossover]) -> Crossover:
+    """``measure()``'s result for ``key`` as this machine's plans folder holds it, measured and
+    written there first if it holds none (a later start then skips the second or two of timing)."""
+    facts = repr((key, native.library_key(), torch.__version__, torch.get_num_threads()))
+    path = native.cache_dir("plans") / f"crossover-{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
+    try:
+        stored = json.loads(path.read_text())
+        logger.info("linear crossover reused from %s", path)
+        return stored["rows"], [tuple(timing) for timing in stored["timings"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    rows, timings = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Concurrent starts each write their own file; the rename makes one win whole.
+    fd, staging = tempfile.mkstemp(prefix=".crossover-", suffix=".json", dir=path.parent)
+    with os.fdopen(fd, "w") as file:
+        json.dump({"measured": facts, "rows": rows, "timings": timings}, file)
+    os.replace(staging, path)
+    return rows, timings
 
 
 def _fastest_seconds(run: Callable[[], object]) -> float:

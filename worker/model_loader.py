@@ -113,7 +113,7 @@ def _gemma3_270m_gguf() -> Path:
         package = importlib.import_module(GEMMA3_270M_PACKAGE)
     except ImportError:
         raise FileNotFoundError(f"{GEMMA3_270M} is not installed; install it with: {GEMMA3_270M_INSTALL}") from None
-    target = _cache_root() / "gguf" / package.MODEL_NAME
+    target = native.cache_dir("models") / "gguf" / package.MODEL_NAME
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         with _file_lock(target.parent / f"{target.name}.lock"):
@@ -123,11 +123,6 @@ def _gemma3_270m_gguf() -> Path:
                 package.assemble(staging, overwrite=True)
                 staging.rename(target)
     return target
-
-
-def _cache_root() -> Path:
-    strata_cache = os.environ.get("STRATA_CACHE_DIR")
-    return (Path(strata_cache) if strata_cache else Path.home() / ".cache" / "strata") / "models"
 
 
 def _converted_gguf(gguf: Path) -> Path:
@@ -140,7 +135,7 @@ def _converted_gguf(gguf: Path) -> Path:
     gguf = gguf.resolve()
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    root = _cache_root()
+    root = native.cache_dir("models")
     target = root / f"{gguf.stem}-{key}"
     if target.is_dir():
         return target

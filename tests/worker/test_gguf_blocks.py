@@ -74,6 +74,41 @@ def test_a_later_engine_of_the_process_reuses_the_measured_crossovers_rather_tha
     assert plan_quantized_linears(default_model, torch.float32, SINGLE_RANK) == first
 
 
+def test_a_later_process_on_the_machine_reuses_the_stored_crossovers_rather_than_timing_anew(
+    default_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_linear_plan, "_measured", {})
+    first = plan_quantized_linears(default_model, torch.float32, SINGLE_RANK)
+    assert list((tmp_path / "plans").glob("crossover-*.json")), "the timings were not stored"
+
+    def timing(run) -> float:
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(cpu_linear_plan, "_measured", {})  # as a new process starts
+    monkeypatch.setattr(cpu_linear_plan, "_fastest_seconds", timing)
+    assert plan_quantized_linears(default_model, torch.float32, SINGLE_RANK) == first
+
+
+def test_another_thread_count_times_the_crossovers_anew(
+    default_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_linear_plan, "_measured", {})
+    plan_quantized_linears(default_model, torch.float32, SINGLE_RANK)
+    monkeypatch.setattr(cpu_linear_plan, "_measured", {})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        plan_quantized_linears(default_model, torch.float32, SINGLE_RANK)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(list((tmp_path / "plans").glob("crossover-*.json"))) == 2 * len(
+        {part.base_type for module in default_model.modules() if getattr(module, "quantized", None) is not None
+         for part in module.quantized.matrix.parts}
+    )
+
+
 def test_the_linears_blocks_are_the_converted_weights(default_model: LlamaForCausalLM) -> None:
     model_dir = resolve_model_path(None)
     with safe_open(model_dir / "model.safetensors", framework="pt") as converted:
