@@ -61,40 +61,43 @@ def default_model() -> Iterator[LlamaForCausalLM]:
     yield load_gguf_blocks(None, block_rows=FUSED_ROWS)
 
 
+def forbid_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def timing(run) -> float:
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(cpu_linear_plan, "_fastest_seconds", timing)
+
+
+@pytest.fixture
+def new_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty cache folder and a process that has timed nothing yet; its plans folder."""
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_linear_plan, "_measured", {})
+    return tmp_path / "plans"
+
+
 def test_a_later_engine_of_the_process_reuses_the_measured_crossovers_rather_than_timing_anew(
     default_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Re-timed, a crossover may move with the machine's noise and the bits of a step with it.
     first = plan_quantized_linears(default_model, torch.float32, SINGLE_RANK)
-
-    def timing(run) -> float:
-        raise AssertionError("timed again")
-
-    monkeypatch.setattr(cpu_linear_plan, "_fastest_seconds", timing)
+    forbid_timing(monkeypatch)
     assert plan_quantized_linears(default_model, torch.float32, SINGLE_RANK) == first
 
 
 def test_a_later_process_on_the_machine_reuses_the_stored_crossovers_rather_than_timing_anew(
-    default_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    default_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, new_machine: Path
 ) -> None:
-    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_linear_plan, "_measured", {})
     first = plan_quantized_linears(default_model, torch.float32, SINGLE_RANK)
-    assert list((tmp_path / "plans").glob("crossover-*.json")), "the timings were not stored"
-
-    def timing(run) -> float:
-        raise AssertionError("timed again")
-
+    assert list(new_machine.glob("crossover-*.json")), "the timings were not stored"
     monkeypatch.setattr(cpu_linear_plan, "_measured", {})  # as a new process starts
-    monkeypatch.setattr(cpu_linear_plan, "_fastest_seconds", timing)
+    forbid_timing(monkeypatch)
     assert plan_quantized_linears(default_model, torch.float32, SINGLE_RANK) == first
 
 
 def test_another_thread_count_times_the_crossovers_anew(
-    default_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    default_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, new_machine: Path
 ) -> None:
-    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_linear_plan, "_measured", {})
     plan_quantized_linears(default_model, torch.float32, SINGLE_RANK)
     monkeypatch.setattr(cpu_linear_plan, "_measured", {})
     threads = torch.get_num_threads()
@@ -103,7 +106,7 @@ def test_another_thread_count_times_the_crossovers_anew(
         plan_quantized_linears(default_model, torch.float32, SINGLE_RANK)
     finally:
         torch.set_num_threads(threads)
-    assert len(list((tmp_path / "plans").glob("crossover-*.json"))) == 2 * len(
+    assert len(list(new_machine.glob("crossover-*.json"))) == 2 * len(
         {part.base_type for module in default_model.modules() if getattr(module, "quantized", None) is not None
          for part in module.quantized.matrix.parts}
     )
