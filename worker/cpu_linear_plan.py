@@ -287,12 +287,15 @@ def _stored(key: tuple, measure: Callable[[], Crossover]) -> Crossover:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     rows, timings = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Concurrent starts each write their own file; the rename makes one win whole.
-    fd, staging = tempfile.mkstemp(prefix=".crossover-", suffix=".json", dir=path.parent)
-    with os.fdopen(fd, "w") as file:
-        json.dump({"measured": facts, "rows": rows, "timings": timings}, file)
-    os.replace(staging, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Concurrent starts each write their own file; the rename makes one win whole.
+        fd, staging = tempfile.mkstemp(prefix=".crossover-", suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as file:
+            json.dump({"measured": facts, "rows": rows, "timings": timings}, file)
+        os.replace(staging, path)
+    except OSError as error:
+        logger.warning("could not keep the linear crossover in %s (%s): later starts time it again", path, error)
     return rows, timings
 
 

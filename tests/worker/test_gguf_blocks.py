@@ -95,6 +95,16 @@ def test_a_later_process_on_the_machine_reuses_the_stored_crossovers_rather_than
     assert plan_quantized_linears(default_model, torch.float32, SINGLE_RANK) == first
 
 
+def test_a_cache_folder_that_cannot_be_written_still_gives_the_plan(
+    default_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(not_a_folder))
+    monkeypatch.setattr(cpu_linear_plan, "_measured", {})
+    assert plan_quantized_linears(default_model, torch.float32, SINGLE_RANK).block_rows
+
+
 def test_another_thread_count_times_the_crossovers_anew(
     default_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, new_machine: Path
 ) -> None:
