@@ -21,9 +21,10 @@ _NO_MEMORY, _SLOT_OUTSIDE_CACHE, _UNSUPPORTED_SHAPE = -1, -2, -3
 
 
 class LayerWeight(ctypes.Structure):
-    """A linear's weight: a bfloat16 matrix's address, or a ``gguf_linear.QuantizedMatrix``'s struct."""
+    """A linear's weight: the address of the matrix it streams (bfloat16 or float32, by its
+    ``native.DTYPE_CODES`` code), or a ``gguf_linear.QuantizedMatrix``'s struct."""
 
-    _fields_ = [("bfloat16", _ptr), ("quantized", ctypes.POINTER(gguf_linear.MatrixStruct))]
+    _fields_ = [("streamed", _ptr), ("quantized", ctypes.POINTER(gguf_linear.MatrixStruct)), ("streamed_dtype", _i32)]
 
 
 class AttentionLayer(ctypes.Structure):

@@ -58,8 +58,8 @@ _SIGNATURES = {
     "silu_and_mul": ([_ptr, _ptr, _i64, _i32, _i32, _i32], None),
     "convert": ([_ptr, _i32, _ptr, _i32, _i64, _i32], None),
     "argmax_rows": ([_ptr, _i64, _i64, _ptr, _i32], None),
-    "small_batch_linear": ([_ptr, _i32, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i32, _i32], _i32),
-    "small_batch_linear_portable": ([_ptr, _i32, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i32, _i32], _i32),
+    "small_batch_linear": ([_ptr, _i32, _i64, _i64, _ptr, _i32, _i64, _ptr, _ptr, _i32, _i32], _i32),
+    "small_batch_linear_portable": ([_ptr, _i32, _i64, _i64, _ptr, _i32, _i64, _ptr, _ptr, _i32, _i32], _i32),
     "small_batch_linear_body": ([], _i32),
     # Pointers to the structs of kernels/cpu_decoder_layer.py, then the activations.
     "attention_block": ([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr], _i32),

@@ -1,13 +1,13 @@
-"""How a bfloat16 model's linear layers run on the CPU at hand, chosen at start.
+"""How a bfloat16 or float32 model's linear layers run on the CPU at hand, chosen at start.
 
 Two paths compute ``x W^T`` on the CPU, and each wins at one end of the step sizes:
 - a GEMM (oneDNN): in bfloat16 where the CPU multiplies bfloat16 natively (AVX512-BF16, AMX),
   on weights packed once into oneDNN's layout (``kernels.onednn_linear``), else in float32
   (``F.linear``) on float32 copies of the bfloat16 weights, exact but twice their memory (an
-  emulated bfloat16 GEMM is several times slower than either);
-- the streamed small-batch kernel (``kernels.cpu_linear``), which reads the bfloat16 weights
-  once per step at close to the memory bandwidth, where a GEMM tuned for many rows reads them at
-  a fraction of it; its cost grows with the rows.
+  emulated bfloat16 GEMM is several times slower than either); a float32 model's own float32 GEMM;
+- the streamed small-batch kernel (``kernels.cpu_linear``), which reads the model's bfloat16 or
+  float32 weights once per step at close to the memory bandwidth, where a GEMM tuned for many
+  rows reads them at a fraction of it; its cost grows with the rows.
 
 A step of at most ``stream_rows`` rows streams (and Llama layers then run as two fused C calls,
 ``worker/fused_decode_layers.py``); larger steps run the GEMM. ``stream_rows`` is the crossover
@@ -58,20 +58,22 @@ _measured: dict[tuple, Crossover] = {}  # this process's single-rank crossovers,
 @dataclass(frozen=True)
 class CpuLinearPlan:
     """The GEMM's weight dtype, whether its weights are oneDNN-packed, and up to how many rows a
-    step streams the bfloat16 weights instead (0: never)."""
+    step streams the model's own weights (``streamed_dtype``) instead (0: never)."""
 
     gemm_dtype: torch.dtype
     packed: bool
     stream_rows: int
     reason: str
+    streamed_dtype: torch.dtype = torch.bfloat16
 
     def describe(self) -> str:
         gemm = f"{'packed ' if self.packed else ''}{str(self.gemm_dtype).removeprefix('torch.')} GEMM"
         if not self.stream_rows:
             return f"{gemm} at every step ({self.reason})"
+        body = cpu_linear.body() if self.streamed_dtype == torch.bfloat16 else "float32 FMAs"
         return (
-            f"steps of <= {self.stream_rows} rows stream the bfloat16 weights ({cpu_linear.body()}), "
-            f"larger steps run the {gemm} ({self.reason})"
+            f"steps of <= {self.stream_rows} rows stream the {str(self.streamed_dtype).removeprefix('torch.')} "
+            f"weights ({body}), larger steps run the {gemm} ({self.reason})"
         )
 
 
@@ -79,16 +81,24 @@ def plan_cpu_linears(
     mode: str, model: nn.Module, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel
 ) -> CpuLinearPlan | None:
     """The plan for ``--cpu-bf16-linear mode``, or None where there is no choice to make: a model
-    that is not bfloat16, or not on the CPU.
+    that is neither bfloat16 nor float32, or not on the CPU, or a float32 one with no linear to
+    stream (GGUF blocks: ``plan_quantized_linears``).
 
-    ``native``: oneDNN's bfloat16 GEMM at every step. ``float32``: float32 GEMMs on float32 copies,
-    streaming below the measured crossover. ``auto``: the bfloat16 GEMM where the CPU has native
-    bfloat16, else float32 copies; streaming below the crossover either way.
+    A bfloat16 model: ``native``: oneDNN's bfloat16 GEMM at every step. ``float32``: float32
+    GEMMs on float32 copies, streaming below the measured crossover. ``auto``: the bfloat16 GEMM
+    where the CPU has native bfloat16, else float32 copies; streaming below the crossover either
+    way. A float32 model streams its weights below the crossover with its float32 GEMM (``mode``
+    has nothing to choose there): at few rows that GEMM reads them at a fraction of a plain read.
     """
     if mode not in CPU_BF16_LINEAR_MODES:
         raise ValueError(f"cpu_bf16_linear must be one of {', '.join(CPU_BF16_LINEAR_MODES)}, got {mode!r}")
-    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+    if dtype not in (torch.bfloat16, torch.float32) or torch.device(device).type != "cpu":
         return None
+    if dtype == torch.float32:
+        weight = _largest_streamable_weight(model)
+        if weight is None:
+            return None
+        return _streaming_plan(weight, torch.float32, False, "a float32 model", tp)
     if mode == "native":
         return CpuLinearPlan(torch.bfloat16, _packs(torch.bfloat16), 0, "--cpu-bf16-linear native")
     if mode == "float32":
@@ -101,30 +111,36 @@ def plan_cpu_linears(
     weight = _largest_streamable_weight(model)
     if weight is None:
         return CpuLinearPlan(gemm_dtype, packed, 0, f"{why}; no linear can be streamed")
+    return _streaming_plan(weight, gemm_dtype, packed, why, tp)
+
+
+def _streaming_plan(
+    weight: torch.Tensor, gemm_dtype: torch.dtype, packed: bool, why: str, tp: TensorParallel
+) -> CpuLinearPlan:
+    """The plan streaming ``weight``'s dtype up to the crossover measured on a slice of it."""
     sample = weight[:SAMPLE_FEATURES].contiguous()
     stream_rows, timings = _measured_once(
-        ("bfloat16 streamed", tuple(sample.shape), gemm_dtype, packed),
+        (f"{sample.dtype} streamed", tuple(sample.shape), gemm_dtype, packed),
         tp,
         lambda: measure_crossover(sample, gemm_dtype, packed, tp),
     )
     measured = ", ".join(f"{rows}: {stream * 1e6:.0f}/{gemm * 1e6:.0f}" for rows, stream, gemm in timings)
-    return CpuLinearPlan(
-        gemm_dtype, packed, stream_rows, f"{why}; us streamed/GEMM by rows on {list(sample.shape)}: {measured}"
-    )
+    reason = f"{why}; us streamed/GEMM by rows on {list(sample.shape)}: {measured}"
+    return CpuLinearPlan(gemm_dtype, packed, stream_rows, reason, sample.dtype)
 
 
 def measure_crossover(
     weight: torch.Tensor, gemm_dtype: torch.dtype, packed: bool, tp: TensorParallel
 ) -> Crossover:
-    """The largest of ``CANDIDATE_ROWS`` up to which streaming ``weight`` (bfloat16) is no slower
-    than the GEMM on its ``gemm_dtype`` copy (``packed`` or not), with the (rows, stream s, GEMM s)
-    timings summed over the ranks of ``tp``."""
+    """The largest of ``CANDIDATE_ROWS`` up to which streaming ``weight`` (bfloat16 or float32) is
+    no slower than the GEMM on its ``gemm_dtype`` copy (``packed`` or not), with the (rows, stream
+    s, GEMM s) timings summed over the ranks of ``tp``, on rows of the weight's dtype."""
     gemm_weight = weight.to(gemm_dtype)
     gemm_packed = onednn_linear.pack(gemm_weight) if packed else None
     return _crossover(
         CANDIDATE_ROWS,
         weight.shape[1],
-        torch.bfloat16,
+        weight.dtype,
         lambda x: cpu_linear.small_batch_linear(x, weight),
         lambda x: linear(x, gemm_weight, packed=gemm_packed),
         tp,

@@ -4,8 +4,8 @@ gate_up, SwiGLU and down in the other; the tensor-parallel all-reduce after each
 
 ``fuse_cpu_decode_layers`` gives each layer whose modules those calls reproduce exactly its
 ``FusedDecoderLayer``. The layer runs it in the steps the model has a ``cpu_decoder_layer.Step``
-for (``LlamaModel.fused_step``: at most the plan's ``stream_rows`` on streamed bfloat16
-weights, its block types' rows on GGUF blocks, see ``worker/cpu_linear_plan.py``) and its
+for (``LlamaModel.fused_step``: at most the plan's ``stream_rows`` on streamed bfloat16 or
+float32 weights, its block types' rows on GGUF blocks, see ``worker/cpu_linear_plan.py``) and its
 modules in the others. A rank alone in its
 tensor-parallel group, all of whose layers are fused, runs them all in one call instead
 (``FusedDecoderStack``): no all-reduce separates the halves, so no Python needs to run between
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from strata.kernels import cpu_decoder_layer, cpu_linear
+from strata.kernels import cpu_decoder_layer, cpu_linear, native
 from strata.worker.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.tp_layers import ColumnParallelLinear, RowParallelLinear
@@ -100,7 +100,7 @@ def fuse_cpu_decode_layers(model: nn.Module, max_rows: int) -> None:
 def fused_decoder_layer(layer: LlamaDecoderLayer, max_rows: int) -> FusedDecoderLayer | None:
     """The layer's fused halves where they compute exactly what its modules do, else None: a
     Llama attention and MLP (not a family's variant) on the ``cpu`` attention backend, whose four
-    linears stream bfloat16 weights (``tp_layers.StreamedWeight``) or multiply GGUF blocks
+    linears stream bfloat16 or float32 weights (``tp_layers.StreamedWeight``) or multiply GGUF blocks
     (``tp_layers.QuantizedWeight``), and whose row-parallel linears have no bias."""
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP or attn.attn_backend.name != "cpu":
@@ -146,12 +146,15 @@ def fused_decoder_layer(layer: LlamaDecoderLayer, max_rows: int) -> FusedDecoder
 
 
 def _layer_weight(linear: ColumnParallelLinear | RowParallelLinear) -> cpu_decoder_layer.LayerWeight | None:
-    """The C view of a linear's weight: its GGUF blocks, or the bfloat16 weight it streams; None
-    when it does neither."""
+    """The C view of a linear's weight: its GGUF blocks, or the weight it streams; None when it
+    does neither."""
     if linear.quantized is not None:
         return cpu_decoder_layer.LayerWeight(quantized=ctypes.pointer(linear.quantized.matrix.struct))
     if linear.streamed is not None:
-        return cpu_decoder_layer.LayerWeight(bfloat16=linear.streamed.weight.data_ptr())
+        weight = linear.streamed.weight
+        return cpu_decoder_layer.LayerWeight(
+            streamed=weight.data_ptr(), streamed_dtype=native.DTYPE_CODES[weight.dtype]
+        )
     return None
 
 

@@ -66,7 +66,7 @@ def empty_parameter(*shape: int) -> nn.Parameter:
 @dataclass(frozen=True)
 class StreamedWeight:
     """What a layer streams through ``cpu_linear`` for steps of at most ``max_rows`` rows: its
-    bfloat16 weight and its bias in float32 (the kernel adds it to its float32 sums)."""
+    bfloat16 or float32 weight and its bias in float32 (the kernel adds it to its float32 sums)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -118,7 +118,7 @@ def linear(
 ) -> torch.Tensor:
     """``x W^T + b`` in the weight's dtype, the result rounded back to ``x``'s.
 
-    On the CPU a bfloat16 model's layers follow its ``CpuLinearPlan``
+    On the CPU a bfloat16 or float32 model's layers follow its ``CpuLinearPlan``
     (``worker/cpu_linear_plan.py``): a step ``streamed`` takes runs the streaming kernel; others
     run the GEMM on ``weight`` (``packed``: its oneDNN-packed copy), which may be a float32 copy:
     the matmul then runs in float32 on the bfloat16 values, as a native bfloat16 GEMM

@@ -14,10 +14,12 @@
 #include "dtypes.h"
 #include "kernels.h"
 
-/* A linear layer's weight [out, in]: bfloat16, or GGUF blocks (exactly one is non-NULL). */
+/* A linear layer's weight [out, in]: streamed (bfloat16 or float32, `streamed_dtype`), or GGUF
+ * blocks (exactly one of the pointers is non-NULL). */
 struct LayerWeight {
-    const uint16_t *bfloat16;
+    const void *streamed;
     const struct QuantizedMatrix *quantized;
+    int32_t streamed_dtype;
 };
 
 /* One layer's attention half: weights in the layout worker/llama.py holds them. */
@@ -69,8 +71,8 @@ static int layer_linear(const struct LayerWeight *w, const void *x, int dtype, i
 {
     const int status = w->quantized
                            ? quantized_linear(w->quantized, x, dtype, rows, in_features, bias, out, dtype, threads)
-                           : small_batch_linear(x, dtype, rows, in_features, w->bfloat16, out_features, bias, out,
-                                                dtype, threads);
+                           : small_batch_linear(x, dtype, rows, in_features, w->streamed, w->streamed_dtype,
+                                                out_features, bias, out, dtype, threads);
     return status ? FUSED_NO_MEMORY : FUSED_OK;
 }
 

@@ -18,13 +18,14 @@ int paged_attention(
     const int32_t *seq_lens, int num_seqs, int num_heads, int sliding_window, int long_chunk_tokens, float scale,
     void *out, int num_threads);
 int small_batch_linear(
-    const void *x, int x_dtype, int64_t rows, int64_t in_features, const uint16_t *weight, int64_t out_features,
-    const float *bias, void *out, int out_dtype, int num_threads);
+    const void *x, int x_dtype, int64_t rows, int64_t in_features, const void *weight, int weight_dtype,
+    int64_t out_features, const float *bias, void *out, int out_dtype, int num_threads);
 /* small_batch_linear's bodies: the portable one, and (where the build has AVX512-BF16) the one for
- * bfloat16 rows; small_batch_linear_body() says which the dispatcher uses for them (0, 1). */
+ * bfloat16 rows on bfloat16 weights; small_batch_linear_body() says which the dispatcher uses for
+ * them (0, 1). */
 int small_batch_linear_portable(
-    const void *x, int x_dtype, int64_t rows, int64_t in_features, const uint16_t *weight, int64_t out_features,
-    const float *bias, void *out, int out_dtype, int num_threads);
+    const void *x, int x_dtype, int64_t rows, int64_t in_features, const void *weight, int weight_dtype,
+    int64_t out_features, const float *bias, void *out, int out_dtype, int num_threads);
 /* A prefill chunk's attention in float32 (any query and cache dtypes), and in bfloat16 where
  * the build has AVX512-BF16: chunk_attention_bf16_body() says how (0: it declines, 1: with
  * vdpbf16ps, 2: on AMX tiles). */

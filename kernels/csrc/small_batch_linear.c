@@ -1,9 +1,10 @@
-/* x W^T (+ bias) for the few rows of a decode step, reading bfloat16 weights once.
+/* x W^T (+ bias) for the few rows of a decode step, reading bfloat16 or float32 weights once.
  *
  * With a handful of rows a linear layer is a stream over its weights. A GEMM library tuned for
  * large batches reads a float32 copy of W at a fraction of the memory bandwidth there (on an AVX2
- * EPYC: 11 GB/s at 1 row, 5 to 7 GB/s at 2 to 16). This kernel reads W in bfloat16, half the bytes,
- * and multiplies it into the rows with float32 FMAs. Threads split the output features; each walks
+ * EPYC: 11 GB/s at 1 row, 5 to 7 GB/s at 2 to 16; 7-12 and 3 GB/s against an 18 GB/s plain read
+ * on EPYC-AVX2). This kernel reads W as it is held, bfloat16 (half the bytes) or float32, and
+ * multiplies it into the rows with float32 FMAs. Threads split the output features; each walks
  * a few weight rows at a time, which stay in L1 while the blocks of input rows pass over them.
  *
  * Widening is two instructions per 16 weights: a 32-bit word holds an even-indexed weight in its
@@ -45,21 +46,31 @@ static inline float sum_lanes(v8 v)
 }
 
 /* Rows [row, row + rows) of the output at the `outs` features whose weight rows are `w` (the
- * last feature's row repeats past the end: those sums are not stored); `x` is deinterleaved.
+ * last feature's row repeats past the end: those sums are not stored). Each run of 16 weights is
+ * taken as two vectors, `even` and `odd`: for bfloat16 weights the even- and odd-indexed ones
+ * (x deinterleaved to match), for float32 ones the first 8 and the last 8 (x as it is).
  * Inlined with constant counts so the rows x outs accumulators stay in registers (AVX2 has 16). */
 static inline __attribute__((always_inline)) void block(
-    const float *x, int64_t row, int64_t in_features, const uint16_t *const w[MAX_BLOCK],
+    const float *x, int64_t row, int64_t in_features, const void *const w[MAX_BLOCK], const int weight_dtype,
     float sums[MAX_BLOCK][MAX_BLOCK], const int rows, const int outs)
 {
     v8 acc[MAX_BLOCK][MAX_BLOCK] = {{{0}}};
     for (int64_t k = 0; k < in_features; k += RUN) {
         v8 even[MAX_BLOCK], odd[MAX_BLOCK];
         for (int j = 0; j < outs; j++) {
-            v8words words;
-            memcpy(&words, w[j] + k, sizeof words);
-            __builtin_prefetch(w[j] + k + PREFETCH_AHEAD * in_features, 0, 3);
-            even[j] = as_floats(words << 16);
-            odd[j] = as_floats(words & 0xffff0000u);
+            if (weight_dtype == DTYPE_FLOAT32) {
+                const float *run = (const float *)w[j] + k;
+                memcpy(&even[j], run, sizeof even[j]);
+                memcpy(&odd[j], run + VECTOR, sizeof odd[j]);
+                __builtin_prefetch(run + PREFETCH_AHEAD * in_features, 0, 3);
+            } else {
+                const uint16_t *run = (const uint16_t *)w[j] + k;
+                v8words words;
+                memcpy(&words, run, sizeof words);
+                __builtin_prefetch(run + PREFETCH_AHEAD * in_features, 0, 3);
+                even[j] = as_floats(words << 16);
+                odd[j] = as_floats(words & 0xffff0000u);
+            }
         }
         for (int r = 0; r < rows; r++) {
             v8 x_even, x_odd;
@@ -85,16 +96,22 @@ static void load_deinterleaved(const void *x, int dtype, int64_t m, int64_t in_f
 }
 
 /* The portable body: float32 FMAs in 8-lane vectors, for any x86-64 (and any input dtype). */
-int small_batch_linear_portable(
-    const void *x, int x_dtype, int64_t rows, int64_t in_features, const uint16_t *weight, int64_t out_features,
-    const float *bias, void *out, int out_dtype, int num_threads)
+static inline __attribute__((always_inline)) int portable_body(
+    const void *x, int x_dtype, int64_t rows, int64_t in_features, const void *weight, const int weight_dtype,
+    int64_t out_features, const float *bias, void *out, int out_dtype, int num_threads)
 {
     if (in_features % RUN) return -1;
     /* One extra row: load_deinterleaved's scratch for the last row. */
     float *x32 = malloc(sizeof(float) * (rows + 1) * in_features);
     if (!x32) return -1;
-    const size_t out_item = dtype_size(out_dtype);
-    for (int64_t m = 0; m < rows; m++) load_deinterleaved(x, x_dtype, m, in_features, x32 + m * in_features);
+    const size_t out_item = dtype_size(out_dtype), weight_item = dtype_size(weight_dtype);
+    for (int64_t m = 0; m < rows; m++) {
+        if (weight_dtype == DTYPE_FLOAT32)
+            load_row((const char *)x + m * in_features * dtype_size(x_dtype), x_dtype, x32 + m * in_features,
+                     (int)in_features);
+        else
+            load_deinterleaved(x, x_dtype, m, in_features, x32 + m * in_features);
+    }
     /* One or two rows: 4 weight rows at a time, more streams in flight; more rows: blocks of 4
      * rows over 2 weight rows, fewer widenings per FMA. */
     const int outs = rows <= 2 ? 4 : 2, row_block = rows <= 2 ? 2 : 4;
@@ -103,20 +120,21 @@ int small_batch_linear_portable(
     for (int64_t group = 0; group < groups; group++) {
         const int64_t n = group * outs;
         const int features = out_features - n < outs ? (int)(out_features - n) : outs;
-        const uint16_t *w[MAX_BLOCK];
-        for (int j = 0; j < outs; j++) w[j] = weight + (n + (j < features ? j : features - 1)) * in_features;
+        const void *w[MAX_BLOCK];
+        for (int j = 0; j < outs; j++)
+            w[j] = (const char *)weight + (n + (j < features ? j : features - 1)) * in_features * weight_item;
         for (int64_t row = 0; row < rows; row += row_block) {
             float sums[MAX_BLOCK][MAX_BLOCK];
             const int count = rows - row < row_block ? (int)(rows - row) : row_block;
             if (outs == 4) {
-                if (count == 1) block(x32, row, in_features, w, sums, 1, 4);
-                else block(x32, row, in_features, w, sums, 2, 4);
+                if (count == 1) block(x32, row, in_features, w, weight_dtype, sums, 1, 4);
+                else block(x32, row, in_features, w, weight_dtype, sums, 2, 4);
             } else {
                 switch (count) {
-                case 1: block(x32, row, in_features, w, sums, 1, 2); break;
-                case 2: block(x32, row, in_features, w, sums, 2, 2); break;
-                case 3: block(x32, row, in_features, w, sums, 3, 2); break;
-                default: block(x32, row, in_features, w, sums, 4, 2);
+                case 1: block(x32, row, in_features, w, weight_dtype, sums, 1, 2); break;
+                case 2: block(x32, row, in_features, w, weight_dtype, sums, 2, 2); break;
+                case 3: block(x32, row, in_features, w, weight_dtype, sums, 3, 2); break;
+                default: block(x32, row, in_features, w, weight_dtype, sums, 4, 2);
                 }
             }
             for (int r = 0; r < count; r++) {
@@ -131,6 +149,18 @@ int small_batch_linear_portable(
     return 0;
 }
 
+/* `weight_dtype`: DTYPE_BFLOAT16 or DTYPE_FLOAT32 (each its own compiled loop). */
+int small_batch_linear_portable(
+    const void *x, int x_dtype, int64_t rows, int64_t in_features, const void *weight, int weight_dtype,
+    int64_t out_features, const float *bias, void *out, int out_dtype, int num_threads)
+{
+    if (weight_dtype == DTYPE_FLOAT32)
+        return portable_body(x, x_dtype, rows, in_features, weight, DTYPE_FLOAT32, out_features, bias, out, out_dtype,
+                             num_threads);
+    return portable_body(x, x_dtype, rows, in_features, weight, DTYPE_BFLOAT16, out_features, bias, out, out_dtype,
+                         num_threads);
+}
+
 int small_batch_linear_body(void)
 {
 #if defined(__AVX512BF16__)
@@ -141,18 +171,19 @@ int small_batch_linear_body(void)
 }
 
 /* out[m, n] = sum_k x[m, k] weight[n, k] + bias[n] for m < rows, n < out_features: x in
- * `x_dtype`, weight bfloat16 [out_features, in_features], bias float32 or NULL, out in `out_dtype`,
- * all contiguous. Returns 0, or -1 when in_features is not a multiple of 16 or memory runs out.
- * Bfloat16 rows take the AVX512-BF16 body where this build has it (small_batch_linear_body). */
+ * `x_dtype`, weight [out_features, in_features] in `weight_dtype` (bfloat16 or float32), bias
+ * float32 or NULL, out in `out_dtype`, all contiguous. Returns 0, or -1 when in_features is not a
+ * multiple of 16 or memory runs out. Bfloat16 rows on bfloat16 weights take the AVX512-BF16 body
+ * where this build has it (small_batch_linear_body). */
 int small_batch_linear(
-    const void *x, int x_dtype, int64_t rows, int64_t in_features, const uint16_t *weight, int64_t out_features,
-    const float *bias, void *out, int out_dtype, int num_threads)
+    const void *x, int x_dtype, int64_t rows, int64_t in_features, const void *weight, int weight_dtype,
+    int64_t out_features, const float *bias, void *out, int out_dtype, int num_threads)
 {
 #if defined(__AVX512BF16__)
-    if (x_dtype == DTYPE_BFLOAT16)
+    if (x_dtype == DTYPE_BFLOAT16 && weight_dtype == DTYPE_BFLOAT16)
         return small_batch_linear_avx512bf16(x, rows, in_features, weight, out_features, bias, out, out_dtype,
                                              num_threads);
 #endif
-    return small_batch_linear_portable(x, x_dtype, rows, in_features, weight, out_features, bias, out, out_dtype,
-                                       num_threads);
+    return small_batch_linear_portable(x, x_dtype, rows, in_features, weight, weight_dtype, out_features, bias, out,
+                                       out_dtype, num_threads);
 }

@@ -1,5 +1,5 @@
 """The small-batch linear (``kernels.cpu_linear``) equals ``F.linear`` in float32 on the same
-bfloat16 weights, rounded once to the output dtype.
+bfloat16 or float32 weights, rounded once to the output dtype.
 
 Tolerances: a float32 output differs only in summation order (``1e-5`` relative, outputs of
 magnitude ~1); a bfloat16 output by at most the ulp such a difference tips over (``1.6e-2``).
@@ -16,9 +16,9 @@ pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C comp
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 
-def weights(out_features: int, in_features: int) -> torch.Tensor:
+def weights(out_features: int, in_features: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     generator = torch.Generator().manual_seed(out_features * 1000 + in_features)
-    return (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).bfloat16()
+    return (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
 
 
 def expected(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
@@ -29,9 +29,12 @@ def expected(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
 @pytest.mark.parametrize("out_features", [1, 6, 64, 131])  # partial groups of 2 and 4 features
 @pytest.mark.parametrize("in_features", [96, 80])  # whole runs of 32 pairs, and a half run at the end
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=["bf16-weights", "fp32-weights"])
 @pytest.mark.parametrize("portable", [False, True], ids=["best-body", "portable-body"])
-def test_matches_float32_linear(rows: int, out_features: int, in_features: int, x_dtype: torch.dtype, portable: bool) -> None:
-    weight = weights(out_features, in_features)
+def test_matches_float32_linear(
+    rows: int, out_features: int, in_features: int, x_dtype: torch.dtype, weight_dtype: torch.dtype, portable: bool
+) -> None:
+    weight = weights(out_features, in_features, weight_dtype)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(x_dtype)
     tol = TOLERANCES[x_dtype]
     out = cpu_linear.small_batch_linear(x, weight, portable=portable)
@@ -49,8 +52,8 @@ def test_bias_is_added_and_the_output_dtype_can_differ_from_the_input(portable: 
 
 @pytest.mark.parametrize(
     ("rows", "in_features", "weight_dtype"),
-    [(cpu_linear.MAX_ROWS + 1, 64, torch.bfloat16), (2, 56, torch.bfloat16), (2, 64, torch.float32)],
-    ids=["too-many-rows", "input-not-a-multiple-of-16", "float32-weight"],
+    [(cpu_linear.MAX_ROWS + 1, 64, torch.bfloat16), (2, 56, torch.float32), (2, 64, torch.float16)],
+    ids=["too-many-rows", "input-not-a-multiple-of-16", "float16-weight"],
 )
 def test_what_it_does_not_take_is_refused(rows: int, in_features: int, weight_dtype: torch.dtype) -> None:
     x, weight = torch.randn(rows, in_features), torch.randn(8, in_features).to(weight_dtype)

@@ -1,6 +1,7 @@
 """A bfloat16 model on CPU follows a ``CpuLinearPlan``: a GEMM in bfloat16 or on exact float32
 copies of the weights, and the steps of few rows streamed from the bfloat16 weights, the
-crossover measured at start (``worker/cpu_linear_plan.py``)."""
+crossover measured at start (``worker/cpu_linear_plan.py``); a float32 model streams its own
+float32 weights in the steps of few rows and runs its float32 GEMM in the others."""
 
 from pathlib import Path
 
@@ -24,6 +25,9 @@ CPU = torch.device("cpu")
 LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 NATIVE = CpuLinearPlan(torch.bfloat16, False, 0, "tests: the bfloat16 GEMM at every step")
 STREAMED_BF16 = CpuLinearPlan(torch.bfloat16, True, cpu_linear.MAX_ROWS, "tests: packed bfloat16 GEMMs, streamed decode steps")
+STREAMED_FLOAT32_WEIGHTS = CpuLinearPlan(
+    torch.float32, False, cpu_linear.MAX_ROWS, "tests: a float32 model, streamed decode steps", torch.float32
+)
 
 
 def load_bf16(path: Path, plan: CpuLinearPlan) -> LlamaForCausalLM:
@@ -133,9 +137,30 @@ def test_the_plan_of_a_bfloat16_model_on_cpu(
         assert plan.stream_rows in (0, *CANDIDATE_ROWS) and "streamed/GEMM" in plan.reason
 
 
-@pytest.mark.parametrize(("dtype", "device"), [(torch.float32, "cpu"), (torch.float16, "cpu"), (torch.bfloat16, "cuda")])
+@pytest.mark.parametrize(("dtype", "device"), [(torch.float16, "cpu"), (torch.bfloat16, "cuda")])
 def test_other_models_have_no_plan(dtype: torch.dtype, device: str, checkpoint: Path) -> None:
     assert plan_cpu_linears("float32", load_ours(checkpoint), dtype, device, SINGLE_RANK) is None
+
+
+def test_a_float32_model_plans_to_stream_its_own_float32_weights(checkpoint: Path) -> None:
+    plan = plan_cpu_linears("auto", load_ours(checkpoint), torch.float32, "cpu", SINGLE_RANK)
+    assert plan is not None and plan.gemm_dtype == plan.streamed_dtype == torch.float32 and not plan.packed
+    assert "stream the float32 weights" in plan.describe() or plan.stream_rows == 0
+
+
+def test_streamed_float32_decode_steps_give_the_float32_gemms_logits_and_tokens(checkpoint: Path) -> None:
+    backend = get_attention_backend(None, CPU)
+    gemm = load_model(checkpoint, torch.float32, SINGLE_RANK, backend, CPU)
+    streamed = load_planned(checkpoint, STREAMED_FLOAT32_WEIGHTS, backend, dtype=torch.float32)
+    assert all(layer.fused is not None for layer in streamed.model.layers)
+    assert all(layer.fused is None for layer in gemm.model.layers)
+    prompts = random_prompts([5, 17, 9], gemm.vocab_size, seed=4)
+    (gemm_tokens, gemm_logits), (streamed_tokens, streamed_logits) = (
+        greedy_decode(PagedRunner(model), prompts, num_tokens=8) for model in (gemm, streamed)
+    )
+    # Both sum float32 products in float32, in different orders.
+    torch.testing.assert_close(streamed_logits, gemm_logits, atol=1e-4, rtol=1e-4)
+    assert streamed_tokens == gemm_tokens
 
 
 def test_a_later_plan_of_the_process_reuses_the_measured_crossover_rather_than_timing_anew(
