@@ -2,7 +2,7 @@
  *
  * With a handful of rows a linear layer is a stream over its weights. A GEMM library tuned for
  * large batches reads a float32 copy of W at a fraction of the memory bandwidth there (on an AVX2
- * EPYC: 11 GB/s at 1 row, 5 to 7 GB/s at 2 to 16; 7-12 and 3 GB/s against an 18 GB/s plain read
+ * EPYC: 11 GB/s at 1 row, 5 to 7 GB/s at 2 to 16; 7-14 and 3-4 GB/s against an 18 GB/s plain read
  * on EPYC-AVX2). This kernel reads W as it is held, bfloat16 (half the bytes) or float32, and
  * multiplies it into the rows with float32 FMAs. Threads split the output features; each walks
  * a few weight rows at a time, which stay in L1 while the blocks of input rows pass over them.
