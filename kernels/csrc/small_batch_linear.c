@@ -95,16 +95,49 @@ static void load_deinterleaved(const void *x, int dtype, int64_t m, int64_t in_f
         }
 }
 
-/* The portable body: float32 FMAs in 8-lane vectors, for any x86-64 (and any input dtype). */
-static inline __attribute__((always_inline)) int portable_body(
-    const void *x, int x_dtype, int64_t rows, int64_t in_features, const void *weight, const int weight_dtype,
+/* Output features n .. n + features (at most `outs`) of every row, from x32 (as `block` takes
+ * it); each weight dtype compiles its own copy, so that `block`'s loop has no branch on it. */
+static inline __attribute__((always_inline)) void feature_group(
+    const float *x32, int64_t rows, int64_t in_features, const void *weight, const int weight_dtype, int64_t n,
+    int features, const int outs, const int row_block, int64_t out_features, const float *bias, void *out,
+    int out_dtype)
+{
+    const void *w[MAX_BLOCK];
+    for (int j = 0; j < outs; j++)
+        w[j] = (const char *)weight + (n + (j < features ? j : features - 1)) * in_features * dtype_size(weight_dtype);
+    for (int64_t row = 0; row < rows; row += row_block) {
+        float sums[MAX_BLOCK][MAX_BLOCK];
+        const int count = rows - row < row_block ? (int)(rows - row) : row_block;
+        if (outs == 4) {
+            if (count == 1) block(x32, row, in_features, w, weight_dtype, sums, 1, 4);
+            else block(x32, row, in_features, w, weight_dtype, sums, 2, 4);
+        } else {
+            switch (count) {
+            case 1: block(x32, row, in_features, w, weight_dtype, sums, 1, 2); break;
+            case 2: block(x32, row, in_features, w, weight_dtype, sums, 2, 2); break;
+            case 3: block(x32, row, in_features, w, weight_dtype, sums, 3, 2); break;
+            default: block(x32, row, in_features, w, weight_dtype, sums, 4, 2);
+            }
+        }
+        for (int r = 0; r < count; r++) {
+            for (int j = 0; j < features; j++) {
+                const float value = sums[r][j] + (bias ? bias[n + j] : 0.f);
+                store_float((char *)out + ((row + r) * out_features + n + j) * dtype_size(out_dtype), out_dtype, value);
+            }
+        }
+    }
+}
+
+/* The portable body: float32 FMAs in 8-lane vectors, for any x86-64 (and any input dtype), on
+ * bfloat16 or float32 weights (`weight_dtype`). */
+int small_batch_linear_portable(
+    const void *x, int x_dtype, int64_t rows, int64_t in_features, const void *weight, int weight_dtype,
     int64_t out_features, const float *bias, void *out, int out_dtype, int num_threads)
 {
     if (in_features % RUN) return -1;
     /* One extra row: load_deinterleaved's scratch for the last row. */
     float *x32 = malloc(sizeof(float) * (rows + 1) * in_features);
     if (!x32) return -1;
-    const size_t out_item = dtype_size(out_dtype), weight_item = dtype_size(weight_dtype);
     for (int64_t m = 0; m < rows; m++) {
         if (weight_dtype == DTYPE_FLOAT32)
             load_row((const char *)x + m * in_features * dtype_size(x_dtype), x_dtype, x32 + m * in_features,
@@ -112,53 +145,28 @@ static inline __attribute__((always_inline)) int portable_body(
         else
             load_deinterleaved(x, x_dtype, m, in_features, x32 + m * in_features);
     }
-    /* One or two rows: 4 weight rows at a time, more streams in flight; more rows: blocks of 4
-     * rows over 2 weight rows, fewer widenings per FMA. */
-    const int outs = rows <= 2 ? 4 : 2, row_block = rows <= 2 ? 2 : 4;
+    /* One or two rows: 4 weight rows at a time (blocks of 2 rows), more streams in flight; more
+     * rows: blocks of 4 rows over 2 weight rows, fewer widenings per FMA. */
+    const int outs = rows <= 2 ? 4 : 2;
     const int64_t groups = (out_features + outs - 1) / outs;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t group = 0; group < groups; group++) {
         const int64_t n = group * outs;
         const int features = out_features - n < outs ? (int)(out_features - n) : outs;
-        const void *w[MAX_BLOCK];
-        for (int j = 0; j < outs; j++)
-            w[j] = (const char *)weight + (n + (j < features ? j : features - 1)) * in_features * weight_item;
-        for (int64_t row = 0; row < rows; row += row_block) {
-            float sums[MAX_BLOCK][MAX_BLOCK];
-            const int count = rows - row < row_block ? (int)(rows - row) : row_block;
-            if (outs == 4) {
-                if (count == 1) block(x32, row, in_features, w, weight_dtype, sums, 1, 4);
-                else block(x32, row, in_features, w, weight_dtype, sums, 2, 4);
-            } else {
-                switch (count) {
-                case 1: block(x32, row, in_features, w, weight_dtype, sums, 1, 2); break;
-                case 2: block(x32, row, in_features, w, weight_dtype, sums, 2, 2); break;
-                case 3: block(x32, row, in_features, w, weight_dtype, sums, 3, 2); break;
-                default: block(x32, row, in_features, w, weight_dtype, sums, 4, 2);
-                }
-            }
-            for (int r = 0; r < count; r++) {
-                for (int j = 0; j < features; j++) {
-                    const float value = sums[r][j] + (bias ? bias[n + j] : 0.f);
-                    store_float((char *)out + ((row + r) * out_features + n + j) * out_item, out_dtype, value);
-                }
-            }
+#define FEATURE_GROUP(WEIGHT_DTYPE, OUTS, ROW_BLOCK)                                                             \
+    feature_group(x32, rows, in_features, weight, WEIGHT_DTYPE, n, features, OUTS, ROW_BLOCK, out_features, bias, \
+                  out, out_dtype)
+        if (weight_dtype == DTYPE_FLOAT32) {
+            if (outs == 4) FEATURE_GROUP(DTYPE_FLOAT32, 4, 2);
+            else FEATURE_GROUP(DTYPE_FLOAT32, 2, 4);
+        } else {
+            if (outs == 4) FEATURE_GROUP(DTYPE_BFLOAT16, 4, 2);
+            else FEATURE_GROUP(DTYPE_BFLOAT16, 2, 4);
         }
+#undef FEATURE_GROUP
     }
     free(x32);
     return 0;
-}
-
-/* `weight_dtype`: DTYPE_BFLOAT16 or DTYPE_FLOAT32 (each its own compiled loop). */
-int small_batch_linear_portable(
-    const void *x, int x_dtype, int64_t rows, int64_t in_features, const void *weight, int weight_dtype,
-    int64_t out_features, const float *bias, void *out, int out_dtype, int num_threads)
-{
-    if (weight_dtype == DTYPE_FLOAT32)
-        return portable_body(x, x_dtype, rows, in_features, weight, DTYPE_FLOAT32, out_features, bias, out, out_dtype,
-                             num_threads);
-    return portable_body(x, x_dtype, rows, in_features, weight, DTYPE_BFLOAT16, out_features, bias, out, out_dtype,
-                         num_threads);
 }
 
 int small_batch_linear_body(void)
