@@ -11,11 +11,10 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import AutoConfig, PreTrainedConfig
-
 from strata.engine_core.protocol import LoRAAdapter
 from strata.runtime.engine_args import EngineArgs, ResolvedConfig
 from strata.worker.lora_files import check_adapter, read_adapter
+from strata.worker.model_config import ModelConfig, read_model_config
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class LoRARegistry:
     """Served adapters by name. ``enabled`` is False when the engine has no adapter slots:
     then every load is refused."""
 
-    model_config: PreTrainedConfig | None  # the base model's, to check adapters against
+    model_config: ModelConfig | None  # the base model's, to check adapters against
     max_lora_rank: int
     enabled: bool
     adapters: dict[str, LoRAAdapter] = field(default_factory=dict)
@@ -43,7 +42,7 @@ class LoRARegistry:
     def start(cls, args: EngineArgs, resolved: ResolvedConfig) -> "LoRARegistry":
         """The registry with ``--lora-modules`` loaded; ValueError naming the first bad one."""
         enabled = args.lora_enabled
-        config = AutoConfig.from_pretrained(resolved.model_path).get_text_config() if enabled else None
+        config = read_model_config(resolved.model_path) if enabled else None
         registry = cls(config, args.max_lora_rank, enabled)
         for name, path in args.lora_module_paths().items():
             registry.load(name, path)

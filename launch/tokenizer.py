@@ -4,7 +4,7 @@
 import json
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
 
 
 def load_tokenizer(path: Path | None) -> PreTrainedTokenizerBase | None:
@@ -12,11 +12,21 @@ def load_tokenizer(path: Path | None) -> PreTrainedTokenizerBase | None:
     if path is None:
         return None
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, config=_model_type_config(path), local_files_only=True)
     except (OSError, ValueError, TypeError) as error:
         raise ValueError(
             f"no usable tokenizer in {path} ({error}); pass --tokenizer DIR, or --skip-tokenizer for token-id prompts"
         ) from error
+
+
+def _model_type_config(path: Path) -> PreTrainedConfig | None:
+    """The directory's config.json as transformers' base config class, which is all AutoTokenizer
+    reads (the model type) to pick a tokenizer: left to itself, it would load the config class of
+    that model type, whose module imports transformers' modeling code (seconds of every start)."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return None
+    return PreTrainedConfig.from_dict(json.loads(config_file.read_text()))
 
 
 def generation_eos_token_ids(model_path: Path, tokenizer_eos_token_id: int | None) -> tuple[int, ...]:

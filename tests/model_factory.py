@@ -1,6 +1,7 @@
 """Tiny random HF checkpoints the tests build and save themselves, and HF reference decoding."""
 
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from transformers import (
 )
 
 from strata.kernels import reference
+from strata.worker.model_config import ModelConfig
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=97)
 
@@ -138,6 +140,11 @@ TINY_CONFIGS = {
     "qwen3_moe": tiny_qwen3_moe_config,
     "mixtral": tiny_mixtral_config,
 }
+
+
+def read_as_saved(config: PreTrainedConfig) -> ModelConfig:
+    """The engine's reading of ``config`` from the config.json ``save_pretrained`` would write."""
+    return ModelConfig.from_dict(json.loads(config.to_json_string()))
 
 
 def save_tiny_model(

@@ -14,11 +14,11 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedConfig
 
 from strata.worker.attention import AttentionBackend, AttentionMetadata
 from strata.worker.layers import RotaryEmbedding, apply_rotary
 from strata.worker.llama import LlamaAttention, LlamaForCausalLM
+from strata.worker.model_config import ModelConfig
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.pipeline_parallel import WHOLE_MODEL, PipelineStage
 from strata.worker.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -63,7 +63,7 @@ class Gemma3Attention(LlamaAttention):
 
     def __init__(
         self,
-        config: PreTrainedConfig,
+        config: ModelConfig,
         tp: TensorParallel,
         attn_backend: AttentionBackend,
         sliding_window: int | None,
@@ -83,7 +83,7 @@ class Gemma3Attention(LlamaAttention):
 class Gemma3MLP(nn.Module):
     """GeGLU feed-forward (tanh-approximated GELU), its intermediate features split across ranks."""
 
-    def __init__(self, config: PreTrainedConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         rows = tp.shard(config.intermediate_size)
         self.gate_up_proj = ColumnParallelLinear(
@@ -101,7 +101,7 @@ class Gemma3DecoderLayer(nn.Module):
 
     def __init__(
         self,
-        config: PreTrainedConfig,
+        config: ModelConfig,
         tp: TensorParallel,
         attn_backend: AttentionBackend,
         sliding_window: int | None,
@@ -131,7 +131,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     """Scaled embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix)."""
 
-    def __init__(self, config: PreTrainedConfig, tp: TensorParallel, layers: Iterable[nn.Module]) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, layers: Iterable[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         # HF multiplies by sqrt(hidden_size) rounded to the model dtype (25.25, not 25.3, in bf16).
@@ -141,7 +141,7 @@ class Gemma3Model(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         # Local and global layers rotate with their own base (and scaling): one table per type.
         self.rotary_emb = nn.ModuleDict(
-            {kind: RotaryEmbedding(config, config.head_dim, config.rope_parameters[kind]) for kind in set(self.layer_types)}
+            {kind: RotaryEmbedding(config.rope_parameters[kind], config.head_dim) for kind in set(self.layer_types)}
         )
 
     def forward(
@@ -168,7 +168,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     supports_pipeline_parallel = False  # its decoder scales embeddings and rotates per layer type: one stage only
 
     def __init__(
-        self, config: PreTrainedConfig, tp: TensorParallel, attn_backend: AttentionBackend, stage: PipelineStage = WHOLE_MODEL
+        self, config: ModelConfig, tp: TensorParallel, attn_backend: AttentionBackend, stage: PipelineStage = WHOLE_MODEL
     ) -> None:
         _check_supported(config)
         super().__init__(config, tp, attn_backend, stage)
@@ -176,7 +176,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def decoder_layer(
         self,
-        config: PreTrainedConfig,
+        config: ModelConfig,
         tp: TensorParallel,
         attn_backend: AttentionBackend,
         index: int,
@@ -185,7 +185,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return Gemma3DecoderLayer(config, tp, attn_backend, sliding_window)
 
     def decoder(
-        self, config: PreTrainedConfig, tp: TensorParallel, layers: Iterable[nn.Module], stage: PipelineStage
+        self, config: ModelConfig, tp: TensorParallel, layers: Iterable[nn.Module], stage: PipelineStage
     ) -> Gemma3Model:
         return Gemma3Model(config, tp, layers)
 
@@ -198,13 +198,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return logits
 
 
-def _check_supported(config: PreTrainedConfig) -> None:
+def _check_supported(config: ModelConfig) -> None:
     """Refuse, naming the setting, what this implementation does not compute."""
-    if config.hidden_activation not in _GELU_TANH:
-        raise ValueError(f"activation {config.hidden_activation!r} is not supported (only gelu_pytorch_tanh)")
-    if getattr(config, "attn_logit_softcapping", None):
+    if config.hidden_act not in _GELU_TANH:
+        raise ValueError(f"activation {config.hidden_act!r} is not supported (only gelu_pytorch_tanh)")
+    if config.attn_logit_softcapping:
         raise ValueError("attn_logit_softcapping is not supported (no released Gemma 3 model uses it)")
-    if getattr(config, "use_bidirectional_attention", False):
+    if config.use_bidirectional_attention:
         raise ValueError("use_bidirectional_attention is not supported: strata serves causal language models")
     unknown = set(config.layer_types) - set(_LAYER_TYPES)
     if unknown:

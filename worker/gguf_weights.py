@@ -14,10 +14,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from transformers import PreTrainedConfig
 
 from strata.kernels import gguf_linear
 from strata.worker.gguf_index import TensorEntry, read_index
+from strata.worker.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class GgufTensor:
 class GgufFile:
     """A GGUF file's tensors under the converted directory's (HF) names."""
 
-    def __init__(self, path: Path, config: PreTrainedConfig) -> None:
+    def __init__(self, path: Path, config: ModelConfig) -> None:
         index = read_index(path)
         self.path = path
         self.architecture = index.architecture
@@ -109,7 +109,7 @@ def _architecture_id(name: str) -> "gguf.MODEL_ARCH":
     raise ValueError(f"GGUF architecture {name!r} is unknown to the gguf package")
 
 
-def _row_order(architecture: str, file_name: str, rows: int, config: PreTrainedConfig) -> np.ndarray | None:
+def _row_order(architecture: str, file_name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
     """llama.cpp's converter interleaves the two rotary halves of each Llama q and k head
     (``permute`` in its convert_hf_to_gguf.py); the HF row order is undone as transformers does
     when it dequantizes the file, so the blocks land where the converted weights are."""

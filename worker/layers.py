@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedConfig
 
 from strata.kernels import cpu_layers
 from strata.worker.parallel_state import TensorParallel
@@ -48,31 +47,23 @@ def rms_norm(
     return weight * normed.to(x.dtype), x
 
 
-def rope_inverse_frequencies(
-    config: PreTrainedConfig, head_dim: int, rope_parameters: dict[str, Any] | None = None
-) -> torch.Tensor:
-    """Rotary inverse frequencies ``[head_dim / 2]`` (float32) after the rope scaling of
-    ``rope_parameters`` (default: the config's).
-
-    Reads transformers-5 ``rope_parameters`` or the older ``rope_scaling`` + ``rope_theta``.
-    """
-    params: dict[str, Any] = dict(
-        rope_parameters or getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    )
-    theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+def rope_inverse_frequencies(params: dict[str, Any], head_dim: int) -> torch.Tensor:
+    """Rotary inverse frequencies ``[head_dim / 2]`` (float32) after the rope scaling of ``params``
+    (``ModelConfig.rope_parameters``, or one layer type's entry of it)."""
+    theta = params["rope_theta"]
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial rotary embeddings are not supported")
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / theta**exponents
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = params["rope_type"]
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
         return inv_freq / params["factor"]
     if rope_type == "llama3":
-        original_max = params.get("original_max_position_embeddings", config.max_position_embeddings)
         return _llama3_scaling(
-            inv_freq, params["factor"], params["low_freq_factor"], params["high_freq_factor"], original_max
+            inv_freq, params["factor"], params["low_freq_factor"], params["high_freq_factor"],
+            params["original_max_position_embeddings"],
         )
     raise ValueError(f"rope scaling {rope_type!r} is not supported (supported: default, linear, llama3)")
 
@@ -91,9 +82,9 @@ def _llama3_scaling(
 class RotaryEmbedding(nn.Module):
     """Cosines and sines of each token's position, computed per batch (no length-bound cache)."""
 
-    def __init__(self, config: PreTrainedConfig, head_dim: int, rope_parameters: dict[str, Any] | None = None) -> None:
+    def __init__(self, rope_parameters: dict[str, Any], head_dim: int) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(config, head_dim, rope_parameters)
+        inv_freq = rope_inverse_frequencies(rope_parameters, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

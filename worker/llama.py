@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PreTrainedConfig
 
 from strata.kernels import cpu_decoder_layer, cpu_layers
 from strata.worker.attention import AttentionBackend, AttentionMetadata, CpuAttentionBackend
 from strata.worker.layers import RMSNorm, RotaryEmbedding, apply_rotary, partition_heads, silu_and_mul
+from strata.worker.model_config import ModelConfig
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.pipeline_parallel import WHOLE_MODEL, PipelineStage
 from strata.worker.tp_layers import (
@@ -44,15 +44,13 @@ _MERGED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def sliding_windows(config: PreTrainedConfig) -> list[int | None]:
+def sliding_windows(config: ModelConfig) -> list[int | None]:
     """Each layer's sliding window (None: full attention), read as HF does: the config's
     ``layer_types`` where it has them (Qwen2, Qwen3, Gemma 3), else ``sliding_window`` on every
-    layer (Mistral, Mixtral, Qwen3-MoE). Qwen configs drop their window when
-    ``use_sliding_window`` is false."""
-    window = getattr(config, "sliding_window", None) or None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return [window if layer_type == "sliding_attention" else None for layer_type in layer_types]
+    layer (Mistral, Mixtral, Qwen3-MoE)."""
+    window = config.sliding_window or None
+    if config.layer_types is not None:
+        return [window if layer_type == "sliding_attention" else None for layer_type in config.layer_types]
     return [window] * config.num_hidden_layers
 
 
@@ -62,14 +60,14 @@ class LlamaAttention(nn.Module):
 
     def __init__(
         self,
-        config: PreTrainedConfig,
+        config: ModelConfig,
         tp: TensorParallel,
         attn_backend: AttentionBackend,
         sliding_window: int | None,
     ) -> None:
         super().__init__()
         num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.head_dim = config.head_dim
         q_heads, kv_heads = partition_heads(num_heads, num_kv_heads, tp)
         self.num_heads = q_heads.stop - q_heads.start
         self.num_kv_heads = kv_heads.stop - kv_heads.start
@@ -77,7 +75,7 @@ class LlamaAttention(nn.Module):
         kv_rows = slice(kv_heads.start * self.head_dim, kv_heads.stop * self.head_dim)
         # Qwen2 always has q/k/v biases and never an o_proj bias; Llama's flag covers all four.
         is_qwen2 = config.model_type == "qwen2"
-        attention_bias = getattr(config, "attention_bias", False)
+        attention_bias = config.attention_bias
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size,
             [q_rows, kv_rows, kv_rows],
@@ -127,11 +125,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward, its intermediate features split across ranks."""
 
-    def __init__(self, config: PreTrainedConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"activation {config.hidden_act!r} is not supported (only silu)")
-        bias = getattr(config, "mlp_bias", False)
+        bias = config.mlp_bias
         rows = tp.shard(config.intermediate_size)
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size, [rows, rows], bias=bias, matrix_rows=[config.intermediate_size] * 2
@@ -153,7 +151,7 @@ class LlamaDecoderLayer(nn.Module):
     ``self_attn`` and ``mlp`` are the family's own (a Qwen3 attention, a mixture of experts).
     """
 
-    def __init__(self, config: PreTrainedConfig, self_attn: LlamaAttention, mlp: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, self_attn: LlamaAttention, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = self_attn
@@ -195,7 +193,7 @@ class LlamaModel(nn.Module):
 
     def __init__(
         self,
-        config: PreTrainedConfig,
+        config: ModelConfig,
         tp: TensorParallel,
         layers: Iterable[nn.Module],
         stage: PipelineStage = WHOLE_MODEL,
@@ -203,12 +201,12 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.stage = stage
         self.stage_layers = stage.layers(config.num_hidden_layers)
-        if stage.is_first or (stage.is_last and getattr(config, "tie_word_embeddings", False)):
+        if stage.is_first or (stage.is_last and config.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(layers)
         if stage.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config, self.layers[self.stage_layers.start].self_attn.head_dim)
+        self.rotary_emb = RotaryEmbedding(config.rope_parameters, self.layers[self.stage_layers.start].self_attn.head_dim)
         self.lora_step: "LoRAStep | None" = None  # set by lora.attach_lora_pools
         self.fused_stack: "FusedDecoderStack | None" = None  # set by fused_decode_layers.fuse_cpu_decode_layers
 
@@ -278,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(
         self,
-        config: PreTrainedConfig,
+        config: ModelConfig,
         tp: TensorParallel,
         attn_backend: AttentionBackend,
         stage: PipelineStage = WHOLE_MODEL,
@@ -293,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
             for index, window in enumerate(sliding_windows(config))
         )
         self.model = self.decoder(config, tp, layers, stage)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = config.tie_word_embeddings
         if stage.is_last:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
             if self.tie_word_embeddings:
@@ -318,7 +316,7 @@ class LlamaForCausalLM(nn.Module):
 
     def decoder_layer(
         self,
-        config: PreTrainedConfig,
+        config: ModelConfig,
         tp: TensorParallel,
         attn_backend: AttentionBackend,
         index: int,
@@ -328,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
         return LlamaDecoderLayer(config, LlamaAttention(config, tp, attn_backend, sliding_window), LlamaMLP(config, tp))
 
     def decoder(
-        self, config: PreTrainedConfig, tp: TensorParallel, layers: Iterable[nn.Module], stage: PipelineStage
+        self, config: ModelConfig, tp: TensorParallel, layers: Iterable[nn.Module], stage: PipelineStage
     ) -> nn.Module:
         """The decoder around ``layers``: embedding, the layers and the final norm, as far as
         ``stage`` holds them."""

@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import PreTrainedConfig
+from strata.worker.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -72,7 +72,7 @@ def read_adapter(path: str | Path) -> AdapterFiles:
     return AdapterFiles(path, rank, scale, frozenset(module for _, module in weights), weights, shapes)
 
 
-def check_adapter(files: AdapterFiles, config: PreTrainedConfig, max_lora_rank: int) -> None:
+def check_adapter(files: AdapterFiles, config: ModelConfig, max_lora_rank: int) -> None:
     """ValueError if the adapter cannot run on a model of ``config`` with slots of rank
     ``max_lora_rank``: its rank is larger, it targets a module or layer the model lacks, or a
     tensor's shape does not match the linear it adapts."""
@@ -97,11 +97,10 @@ def check_adapter(files: AdapterFiles, config: PreTrainedConfig, max_lora_rank: 
                 )
 
 
-def linear_shapes(config: PreTrainedConfig) -> dict[str, tuple[int, int]]:
+def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each linear an adapter may target in a decoder layer of
     a model of ``config``; a mixture of experts has no dense MLP to adapt."""
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     hidden = config.hidden_size
     shapes = {
         "q_proj": (heads * head_dim, hidden),
@@ -109,14 +108,10 @@ def linear_shapes(config: PreTrainedConfig) -> dict[str, tuple[int, int]]:
         "v_proj": (kv_heads * head_dim, hidden),
         "o_proj": (hidden, heads * head_dim),
     }
-    if not _is_mixture_of_experts(config):
+    if config.num_experts == 0:
         intermediate = config.intermediate_size
         shapes |= {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden), "down_proj": (hidden, intermediate)}
     return shapes
-
-
-def _is_mixture_of_experts(config: PreTrainedConfig) -> bool:
-    return bool(getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0))
 
 
 def _check_options(path: Path, config: dict) -> None:

@@ -10,11 +10,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from safetensors import SafetensorError, safe_open
-from transformers import PreTrainedConfig
 
 from strata.engine_core.protocol import LoRAAdapter, LoRASlotLoad
 from strata.worker.lora import LoRAStep, LoRATarget, SlotWeights
 from strata.worker.lora_files import AdapterFiles, check_adapter, read_adapter
+from strata.worker.model_config import ModelConfig
 
 
 @dataclass
@@ -24,7 +24,7 @@ class LoRASlots:
 
     targets: list[LoRATarget]
     step: LoRAStep
-    model_config: PreTrainedConfig
+    model_config: ModelConfig
     max_rank: int
     max_cached: int
     cached: "OrderedDict[int, list[SlotWeights]]" = field(default_factory=OrderedDict)  # by lora_id, oldest first

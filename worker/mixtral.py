@@ -2,10 +2,10 @@
 renormalised). Checkpoints call the MoE block ``block_sparse_moe`` and the experts' gate, down
 and up matrices ``w1``, ``w2`` and ``w3``."""
 
-from transformers import PreTrainedConfig
 
 from strata.worker.attention import AttentionBackend
 from strata.worker.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from strata.worker.model_config import ModelConfig
 from strata.worker.moe import SparseMoE
 from strata.worker.parallel_state import TensorParallel
 
@@ -17,7 +17,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def decoder_layer(
         self,
-        config: PreTrainedConfig,
+        config: ModelConfig,
         tp: TensorParallel,
         attn_backend: AttentionBackend,
         index: int,
@@ -28,7 +28,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         moe = SparseMoE(
             config.hidden_size,
             config.intermediate_size,
-            config.num_local_experts,
+            config.num_experts,
             config.num_experts_per_tok,
             renormalize=True,
             names=("w1", "w3", "w2"),

@@ -24,14 +24,6 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GgufConfig,
-    PreTrainedConfig,
-    PreTrainedTokenizerBase,
-)
 
 from strata.kernels import cpu_features, native
 from strata.worker.attention import AttentionBackend
@@ -40,14 +32,15 @@ from strata.worker.gemma3 import END_OF_TURN as GEMMA3_END_OF_TURN
 from strata.worker.config import DTYPES, LOAD_FORMATS, QUANTIZATIONS
 from strata.worker.gguf_weights import GgufFile
 from strata.worker.llama import LlamaForCausalLM
+from strata.worker.model_config import ModelConfig, read_model_config
 from strata.worker.model_registry import model_class
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.pipeline_parallel import WHOLE_MODEL, PipelineStage
 from strata.worker.scaled_weights import ScaledScheme, load_scaled_weights
 from strata.worker.tp_layers import TensorSource
 
-if TYPE_CHECKING:  # importing it at run time loads transformers' modeling code: ~3 s per process
-    from transformers import PreTrainedModel
+if TYPE_CHECKING:  # transformers is imported only to convert a GGUF file or lay out dummy weights
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +159,8 @@ def _file_lock(path: Path) -> Iterator[None]:
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantise ``gguf`` with transformers' GGUF reader and save model and tokenizer to ``out``
     (a Gemma 3 file without a chat template gets Gemma's)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
     source = {"pretrained_model_name_or_path": gguf.parent, "gguf_file": gguf.name, "local_files_only": True}
     with _one_gguf_parse_per_file():
         # dequantize=True unpacks the quantised blocks into float32 weights that safetensors can hold.
@@ -179,7 +174,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _add_gemma3_chat_conventions(model: "PreTrainedModel", tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
+def _add_gemma3_chat_conventions(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", out: Path) -> None:
     """What Gemma 3's own checkpoints carry and its GGUF files lose: the chat template (when the
     file has none) and ``<end_of_turn>`` as a second EOS id in the generation config, so a chat
     answer stops at the end of its turn (as with the HF checkpoint in vLLM and transformers)."""
@@ -246,10 +241,11 @@ def load_model(
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    saved = json.loads((Path(path) / "config.json").read_text())
+    model_cls = model_class(saved.get("model_type", ""), saved.get("architectures"))  # before any size is missed
+    config = ModelConfig.from_dict(saved)
     if num_layers is not None:
-        truncate_layers(config, num_layers)
-    model_cls = model_class(config.model_type, config.architectures)
+        config = config.first_layers(num_layers)
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(config, tp, attn_backend, stage)
     if load_format == "dummy":
@@ -264,16 +260,6 @@ def load_model(
     else:
         load_scaled_weights(model, weights, scaled, tp)
     return model.eval()
-
-
-def truncate_layers(config: PreTrainedConfig, num_layers: int) -> None:
-    """Make ``config`` describe its model's first ``num_layers`` decoder layers only (the rest
-    of the checkpoint's layers are skipped at load, as another pipeline stage's would be)."""
-    if not 1 <= num_layers <= config.num_hidden_layers:
-        raise ValueError(f"the model has {config.num_hidden_layers} decoder layers, cannot keep the first {num_layers}")
-    config.num_hidden_layers = num_layers
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = config.layer_types[:num_layers]
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -305,7 +291,7 @@ def quantized_weights_file(quantization: str, gguf: str | None, device: torch.de
     elif native.load_library() is None:
         obstacle = "the C kernels could not be built (see the warning above)"
     else:
-        config = AutoConfig.from_pretrained(_converted_gguf(Path(gguf)), local_files_only=True)
+        config = read_model_config(_converted_gguf(Path(gguf)))
         missing = GgufFile(Path(gguf), config).types_without_kernel()
         obstacle = f"no kernel takes its {', '.join(sorted(missing))} blocks" if missing else None
     if obstacle is None:
@@ -337,11 +323,14 @@ class DummyTensor:
 
 
 def dummy_weights(
-    config: PreTrainedConfig, dtype: torch.dtype, device: torch.device | str
+    config: ModelConfig, dtype: torch.dtype, device: torch.device | str
 ) -> Iterator[tuple[str, DummyTensor]]:
     """Random tensors under the names and shapes of the HF checkpoint ``config`` describes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     with torch.device("meta"):
-        layout = AutoModelForCausalLM.from_config(config)  # names and shapes only, no memory
+        # transformers' model of the config gives the checkpoint's names and shapes, using no memory
+        layout = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.source))
     for name, tensor in layout.state_dict().items():
         yield name, DummyTensor(name, tuple(tensor.shape), dtype, device)
 

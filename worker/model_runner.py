@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig
 
 from strata.connector.offloading_worker import OffloadingConnectorWorker
 from strata.engine_core.protocol import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput, pack_tokens, unpack_tokens
@@ -27,6 +26,7 @@ from strata.worker.lora_slots import LoRASlots
 from strata.worker.cpu_linear_plan import (
     apply_cpu_linear_plan, apply_quantized_linear_plan, plan_cpu_linears, plan_quantized_linears,
 )
+from strata.worker.model_config import read_model_config
 from strata.worker.model_loader import load_model, quantized_weights_file, resolve_dtype, weight_bytes
 from strata.worker.parallel_state import TensorParallel
 from strata.worker.llama import LlamaForCausalLM
@@ -458,7 +458,7 @@ def lora_slots(
         return None
     step = LoRAStep(config.max_loras, config.max_lora_rank, dtype, device)
     targets = attach_lora_pools(model, step)
-    model_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
+    model_config = read_model_config(config.model)
     max_cached = config.max_loras if config.max_cpu_loras is None else config.max_cpu_loras
     logger.info(
         "rank %d: LoRA: %d slots of rank %d in %d linears (%.1f MB), %d adapters cached in CPU memory",

@@ -2,12 +2,12 @@
 rotary embedding; Qwen3-MoE swaps the MLP for a mixture of experts on its sparse layers."""
 
 import torch
-from transformers import PreTrainedConfig
 
 from strata.kernels import cpu_layers
 from strata.worker.attention import AttentionBackend
 from strata.worker.layers import RMSNorm, apply_rotary
 from strata.worker.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from strata.worker.model_config import ModelConfig
 from strata.worker.moe import SparseMoE
 from strata.worker.parallel_state import TensorParallel
 
@@ -18,7 +18,7 @@ class Qwen3Attention(LlamaAttention):
 
     def __init__(
         self,
-        config: PreTrainedConfig,
+        config: ModelConfig,
         tp: TensorParallel,
         attn_backend: AttentionBackend,
         sliding_window: int | None,
@@ -51,7 +51,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     def decoder_layer(
         self,
-        config: PreTrainedConfig,
+        config: ModelConfig,
         tp: TensorParallel,
         attn_backend: AttentionBackend,
         index: int,
@@ -60,7 +60,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         attention = Qwen3Attention(config, tp, attn_backend, sliding_window)
         return LlamaDecoderLayer(config, attention, self.feed_forward(config, tp, index))
 
-    def feed_forward(self, config: PreTrainedConfig, tp: TensorParallel, index: int) -> torch.nn.Module:
+    def feed_forward(self, config: ModelConfig, tp: TensorParallel, index: int) -> torch.nn.Module:
         return LlamaMLP(config, tp)
 
 
@@ -71,7 +71,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     supports_lora = False  # adapters of experts are not supported
 
-    def feed_forward(self, config: PreTrainedConfig, tp: TensorParallel, index: int) -> torch.nn.Module:
+    def feed_forward(self, config: ModelConfig, tp: TensorParallel, index: int) -> torch.nn.Module:
         sparse = (
             index not in config.mlp_only_layers
             and config.num_experts > 0

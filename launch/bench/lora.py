@@ -25,19 +25,19 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig
 
 from strata.engine_core.sampling_params import SamplingParams
 from strata.launch.bench.throughput import CORPUS, Workload, cyclic_slice, synthetic_prompts
 from strata.launch.llm import LLM
 from strata.launch.lora_registry import LoRARequest
 from strata.worker.lora_files import CONFIG_FILE, LORA_MODULES, WEIGHTS_FILE, linear_shapes
+from strata.worker.model_config import read_model_config
 from strata.worker.model_loader import resolve_model_path
 
 
 def write_random_adapter(model_path: Path, path: Path, rank: int, seed: int) -> None:
     """A PEFT LoRA directory of rank ``rank`` on every layer's seven linears, random A and B."""
-    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    config = read_model_config(model_path)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_hidden_layers):

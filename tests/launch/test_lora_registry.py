@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from model_factory import save_tiny_lora, save_tiny_model, tiny_llama_config
+from model_factory import read_as_saved, save_tiny_lora, save_tiny_model, tiny_llama_config
 from strata.launch.lora_registry import LoRARegistry, LoRARequest
 
 CONFIG = tiny_llama_config()
@@ -21,7 +21,7 @@ def adapter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def registry(max_lora_rank: int = 16, enabled: bool = True) -> LoRARegistry:
-    return LoRARegistry(CONFIG, max_lora_rank, enabled)
+    return LoRARegistry(read_as_saved(CONFIG), max_lora_rank, enabled)
 
 
 def test_a_loaded_adapter_is_served_under_its_name(adapter_dir: Path) -> None:
@@ -55,7 +55,7 @@ def test_an_adapter_that_cannot_be_served_is_refused_with_the_reason(adapter_dir
 
 
 def test_an_adapter_whose_shapes_do_not_fit_the_model_is_refused(adapter_dir: Path) -> None:
-    wide = LoRARegistry(tiny_llama_config(hidden_size=128), 16, True)
+    wide = LoRARegistry(read_as_saved(tiny_llama_config(hidden_size=128)), 16, True)
     with pytest.raises(ValueError, match="has shape"):
         wide.load("sql", str(adapter_dir))
 

@@ -6,12 +6,12 @@ from strata.worker.attention import TorchAttentionBackend
 from strata.worker.model_loader import dummy_weights, load_model
 from strata.worker.parallel_state import TensorParallel
 
-from model_factory import random_prompts, tiny_llama_config
+from model_factory import random_prompts, read_as_saved, tiny_llama_config
 from worker_helpers import PagedRunner, greedy_decode
 
 
 def test_every_checkpoint_tensor_is_drawn_the_same_way_twice() -> None:
-    config = tiny_llama_config()
+    config = read_as_saved(tiny_llama_config())
     first = {name: tensor[:] for name, tensor in dummy_weights(config, torch.float32, "cpu")}
     second = {name: tensor[:] for name, tensor in dummy_weights(config, torch.float32, "cpu")}
     assert first.keys() == second.keys() and "model.layers.1.self_attn.k_proj.weight" in first
@@ -22,7 +22,7 @@ def test_every_checkpoint_tensor_is_drawn_the_same_way_twice() -> None:
 
 
 def test_a_shard_is_the_slice_of_the_full_tensor() -> None:
-    weights = dict(dummy_weights(tiny_llama_config(), torch.float32, "cpu"))
+    weights = dict(dummy_weights(read_as_saved(tiny_llama_config()), torch.float32, "cpu"))
     full = weights["model.layers.0.mlp.down_proj.weight"][:]
     torch.testing.assert_close(weights["model.layers.0.mlp.down_proj.weight"][:, 64:], full[:, 64:], rtol=0, atol=0)
 

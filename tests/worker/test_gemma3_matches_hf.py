@@ -8,7 +8,7 @@ from transformers import PreTrainedModel
 from strata.worker.attention import TorchAttentionBackend
 from strata.worker.gemma3 import Gemma3ForCausalLM
 
-from model_factory import hf_greedy, random_prompts, save_tiny_model, tiny_gemma3_config
+from model_factory import hf_greedy, random_prompts, read_as_saved, save_tiny_model, tiny_gemma3_config
 from worker_helpers import SINGLE_RANK, PagedRunner, greedy_decode, load_ours
 
 # Ragged, crossing 16-token blocks and the 8-token window.
@@ -75,4 +75,4 @@ def test_prefill_in_chunks_across_the_window_matches_one_prefill(models: Models)
 def test_settings_it_does_not_compute_are_refused_by_name(setting: str, value: object) -> None:
     config = tiny_gemma3_config(**{setting: value})
     with pytest.raises(ValueError, match="activation" if setting == "hidden_activation" else setting):
-        Gemma3ForCausalLM(config, SINGLE_RANK, TorchAttentionBackend())
+        Gemma3ForCausalLM(read_as_saved(config), SINGLE_RANK, TorchAttentionBackend())

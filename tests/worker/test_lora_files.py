@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_factory import save_tiny_lora, save_tiny_model, tiny_llama_config, tiny_mixtral_config
+from model_factory import read_as_saved, save_tiny_lora, save_tiny_model, tiny_llama_config, tiny_mixtral_config
 from safetensors.torch import load_file, save_file
 
 from strata.worker.lora_files import LORA_MODULES, check_adapter, read_adapter
@@ -41,7 +41,7 @@ def test_reads_rank_scale_and_every_layers_a_and_b(adapter_dir: Path) -> None:
     a_name, b_name = files.weights[(1, "k_proj")]
     assert files.shapes[a_name] == (8, CONFIG.hidden_size)
     assert files.shapes[b_name] == (2 * 16, 8)  # 2 KV heads of 16 dims
-    check_adapter(files, CONFIG, max_lora_rank=8)
+    check_adapter(files, read_as_saved(CONFIG), max_lora_rank=8)
 
 
 def test_rslora_scales_by_the_square_root_of_the_rank(adapter_dir: Path, tmp_path: Path) -> None:
@@ -51,23 +51,23 @@ def test_rslora_scales_by_the_square_root_of_the_rank(adapter_dir: Path, tmp_pat
 
 def test_an_adapter_above_the_maximum_rank_is_refused(adapter_dir: Path) -> None:
     with pytest.raises(ValueError, match="rank 8, above --max-lora-rank 4"):
-        check_adapter(read_adapter(adapter_dir), CONFIG, max_lora_rank=4)
+        check_adapter(read_adapter(adapter_dir), read_as_saved(CONFIG), max_lora_rank=4)
 
 
 def test_an_adapter_of_mlp_modules_is_refused_on_a_mixture_of_experts(adapter_dir: Path) -> None:
     with pytest.raises(ValueError, match="targets down_proj, which mixtral models do not have"):
-        check_adapter(read_adapter(adapter_dir), tiny_mixtral_config(), max_lora_rank=16)
+        check_adapter(read_adapter(adapter_dir), read_as_saved(tiny_mixtral_config()), max_lora_rank=16)
 
 
 def test_an_adapter_of_another_models_shapes_is_refused(adapter_dir: Path) -> None:
-    wider = tiny_llama_config(hidden_size=128)
+    wider = read_as_saved(tiny_llama_config(hidden_size=128))
     with pytest.raises(ValueError, match=r"down_proj.lora_B.weight has shape \[64, 8\], the model's down_proj needs \[128, 8\]"):
         check_adapter(read_adapter(adapter_dir), wider, max_lora_rank=16)
 
 
 def test_an_adapter_of_more_layers_than_the_model_is_refused(adapter_dir: Path) -> None:
     with pytest.raises(ValueError, match="adapts layer 1; the model has 1 layers"):
-        check_adapter(read_adapter(adapter_dir), tiny_llama_config(num_hidden_layers=1), max_lora_rank=16)
+        check_adapter(read_adapter(adapter_dir), read_as_saved(tiny_llama_config(num_hidden_layers=1)), max_lora_rank=16)
 
 
 @pytest.mark.parametrize("missing", ["adapter_config.json", "adapter_model.safetensors"])

@@ -16,7 +16,14 @@ from strata.worker.input_batch import InputBatch
 from strata.worker.pipeline_parallel import PipelineStage, SampledTokenFeed, split_layers
 from strata.worker.model_registry import model_class
 
-from model_factory import random_prompts, save_tiny_model, tiny_llama_config, tiny_mixtral_config, tiny_qwen3_config
+from model_factory import (
+    random_prompts,
+    read_as_saved,
+    save_tiny_model,
+    tiny_llama_config,
+    tiny_mixtral_config,
+    tiny_qwen3_config,
+)
 from worker_helpers import PagedRunner, greedy_decode
 
 
@@ -33,7 +40,7 @@ class ReadRecorder:
 
 
 def stage_model(stage: PipelineStage, **overrides):
-    config = tiny_llama_config(num_hidden_layers=4, **overrides)
+    config = read_as_saved(tiny_llama_config(num_hidden_layers=4, **overrides))
     model = model_class(config.model_type, config.architectures)(config, TensorParallel(0, 1), TorchAttentionBackend(), stage)
     reads: set[str] = set()
     model.load_weights((name, ReadRecorder(source, reads, name)) for name, source in dummy_weights(config, torch.float32, "cpu"))

@@ -9,29 +9,30 @@ from strata.worker.attention import TorchAttentionBackend
 from strata.worker.llama import sliding_windows
 from strata.worker.model_registry import model_class
 
-from model_factory import tiny_gemma3_config, tiny_llama_config, tiny_mistral_config
+from model_factory import read_as_saved, tiny_gemma3_config, tiny_llama_config, tiny_mistral_config
 from worker_helpers import SINGLE_RANK
 
 
 def test_llama_attends_over_everything():
-    assert sliding_windows(tiny_llama_config()) == [None, None]
+    assert sliding_windows(read_as_saved(tiny_llama_config())) == [None, None]
 
 
 def test_mistral_windows_every_layer():
-    assert sliding_windows(tiny_mistral_config(sliding_window=4096)) == [4096, 4096]
+    assert sliding_windows(read_as_saved(tiny_mistral_config(sliding_window=4096))) == [4096, 4096]
 
 
 def test_qwen2_window_is_off_unless_enabled():
-    assert sliding_windows(Qwen2Config(num_hidden_layers=3, use_sliding_window=False, sliding_window=4096)) == [None] * 3
+    config = Qwen2Config(num_hidden_layers=3, use_sliding_window=False, sliding_window=4096)
+    assert sliding_windows(read_as_saved(config)) == [None] * 3
 
 
 def test_qwen2_windows_the_layers_from_max_window_layers_on():
     config = Qwen2Config(num_hidden_layers=3, use_sliding_window=True, sliding_window=64, max_window_layers=1)
-    assert sliding_windows(config) == [None, 64, 64]
+    assert sliding_windows(read_as_saved(config)) == [None, 64, 64]
 
 
 def test_gemma3_windows_its_local_layers():
-    assert sliding_windows(tiny_gemma3_config()) == [8, None, 8, 8]
+    assert sliding_windows(read_as_saved(tiny_gemma3_config())) == [8, None, 8, 8]
 
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
@@ -48,5 +49,5 @@ _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_at
 )
 def test_each_family_gives_its_layers_their_windows(config: PreTrainedConfig, windows: list[int | None]) -> None:
     with torch.device("meta"):  # shapes only: no memory, no weights
-        model = model_class(config.model_type, None)(config, SINGLE_RANK, TorchAttentionBackend())
+        model = model_class(config.model_type, None)(read_as_saved(config), SINGLE_RANK, TorchAttentionBackend())
     assert [layer.self_attn.sliding_window for layer in model.model.layers] == windows
