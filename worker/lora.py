@@ -14,15 +14,19 @@ delta is linear in ``x``, so the reduce sums the ranks' partial deltas into the 
 """
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
-from strata.kernels import cpu_lora, lora, triton_lora
+from strata.kernels import cpu_lora, lora
 from strata.worker.input_batch import to_device
 from strata.worker.llama import OtherStageLayer
 from strata.worker.tp_layers import ColumnParallelLinear, RowParallelLinear
+
+if TYPE_CHECKING:  # Triton is imported where its kernels run, on CUDA: loading it costs a CPU worker ~0.7 s
+    from strata.kernels.triton_lora import SortedTokens
 
 # Each adaptable linear of a decoder layer, by its path in the layer, and the checkpoint
 # linears (an adapter's target modules) it merges, in part order.
@@ -46,7 +50,7 @@ class LoRAStep:
     dtype: torch.dtype
     device: torch.device
     mask: torch.Tensor | None = None
-    tokens: triton_lora.SortedTokens | None = None
+    tokens: "SortedTokens | None" = None
     token_slots: torch.Tensor | None = None
 
     @property
@@ -59,6 +63,8 @@ class LoRAStep:
         if (token_slots < 0).all():
             return
         if self.device.type == "cuda":
+            from strata.kernels import triton_lora
+
             self.tokens = triton_lora.sort_tokens(token_slots, self.device)
         elif self.runs_c_kernel:
             self.token_slots = torch.from_numpy(token_slots.astype(np.int64, copy=False))
@@ -113,6 +119,8 @@ class LoRAPool:
         """``y`` (the linear's output for ``x``) plus each token's adapter delta."""
         step = self.step
         if step.tokens is not None:
+            from strata.kernels import triton_lora
+
             return triton_lora.add_lora(
                 y, x, self.a, self.b, self.part_rows, self.part_starts, step.tokens, step.num_slots, step.max_rank
             )

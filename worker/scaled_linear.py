@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.kernels import reference, scaled_mm, triton_scaled_linear
+from strata.kernels import reference, scaled_mm
 
 
 @dataclass
@@ -25,5 +25,8 @@ class ScaledWeight:
         if self.w8a8:
             return scaled_mm.w8a8_linear(x, self.weight, self.scale, bias, self.input_scale)
         if x.is_cuda:
+            # Imported here, as Triton is only needed on CUDA: loading it costs a CPU worker ~0.7 s.
+            from strata.kernels import triton_scaled_linear
+
             return triton_scaled_linear.scaled_linear(x, self.weight, self.scale, bias)
         return reference.scaled_linear(x, self.weight, self.scale, bias)
