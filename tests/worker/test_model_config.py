@@ -121,7 +121,7 @@ def test_the_first_layers_of_a_config_keep_their_layer_types(tmp_path: Path) -> 
         config.first_layers(8)
 
 
-def test_a_worker_loads_and_runs_the_default_model_without_importing_transformers() -> None:
+def test_a_worker_process_imports_its_modules_and_loads_the_default_model_without_transformers() -> None:
     # transformers' config classes import its modeling code: seconds of every worker's start.
     script = f"""
 import sys, torch
