@@ -9,7 +9,8 @@ from strata.engine_core.protocol import LoRASlotLoad
 from strata.worker.model_runner import ModelRunner
 from worker_helpers import SINGLE_RANK
 
-from lora_helpers import TinyAdapters, greedy_steps, lora_config, save_tiny_adapters
+from lora_helpers import TinyAdapters, save_tiny_adapters
+from lora_steps import greedy_steps, lora_config
 from model_factory import hf_greedy, random_prompts, save_tiny_model, tiny_gemma3_config, tiny_mixtral_config
 
 NUM_TOKENS = 6

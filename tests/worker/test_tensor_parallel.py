@@ -6,39 +6,11 @@ import pytest
 import torch
 from transformers import PreTrainedConfig
 
-from strata.worker.attention import CpuAttentionBackend
-from strata.worker.llama import LlamaForCausalLM
-from strata.worker.parallel_state import TensorParallel, init_tensor_parallel
-from strata.worker.scaled_weights import ScaledScheme
-
 from model_factory import TINY_CONFIGS, random_prompts, save_tiny_model, tiny_gemma3_config, tiny_llama_config
-from worker_helpers import (
-    SINGLE_RANK, STREAMED_FLOAT32, PagedRunner, greedy_decode, load_gguf_blocks, load_ours, load_planned, load_scaled,
-    spawn_ranks,
-)
+from tp_ranks import DECODE_TOKENS, load_int8, load_widened_bf16, run_ranks
+from worker_helpers import SINGLE_RANK, PagedRunner, greedy_decode, load_gguf_blocks, load_ours
 
-TP_SIZE = 2
 PROMPT_LENGTHS = [7, 20]
-DECODE_TOKENS = 3
-
-
-def _run_rank(rank: int, port: int, model_dir: Path, out_dir: Path, device: str, load: str) -> None:
-    """One spawned rank: prefill and decode, save the logits of every step for the parent.
-    gloo on any device: on CUDA it reduces CUDA tensors, so two ranks can share one GPU."""
-    torch.set_num_threads(1)  # two ranks share the machine's cores
-    tp = init_tensor_parallel(rank, TP_SIZE, f"tcp://127.0.0.1:{port}", device, backend="gloo")
-    try:
-        model = LOADERS[load](model_dir, tp, device)
-        prompts = random_prompts(PROMPT_LENGTHS, model.vocab_size)
-        _, logits = greedy_decode(PagedRunner(model), prompts, DECODE_TOKENS)
-        torch.save(logits.cpu(), out_dir / f"rank{rank}.pt")
-    finally:
-        tp.destroy()
-
-
-def _run_ranks(model_dir: Path, out_dir: Path, device: str = "cpu", load: str = "float32") -> list[torch.Tensor]:
-    spawn_ranks(_run_rank, (model_dir, out_dir, device, load), TP_SIZE)
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(TP_SIZE)]
 
 
 @pytest.mark.parametrize(
@@ -78,8 +50,9 @@ def test_two_ranks_of_a_bfloat16_model_on_fused_cpu_layers_give_the_logits_of_on
     save_tiny_model(tiny_llama_config(), tmp_path)
     one_rank = load_widened_bf16(tmp_path, SINGLE_RANK)
     assert all(layer.fused is not None for layer in one_rank.model.layers)
-    _, expected = greedy_decode(PagedRunner(one_rank), random_prompts(PROMPT_LENGTHS, one_rank.vocab_size), DECODE_TOKENS)
-    for rank_logits in _run_ranks(tmp_path, tmp_path, load="bfloat16"):
+    prompts = random_prompts(PROMPT_LENGTHS, one_rank.vocab_size)
+    _, expected = greedy_decode(PagedRunner(one_rank), prompts, DECODE_TOKENS)
+    for rank_logits in run_ranks(tmp_path, tmp_path, prompts, load="bfloat16"):
         torch.testing.assert_close(rank_logits, expected, atol=6e-2, rtol=3e-2)
 
 
@@ -89,8 +62,9 @@ def test_two_ranks_of_the_default_model_on_gguf_blocks_give_the_logits_of_one_ra
     # the float32 sums differs, which may tip an activation's int16 rounding in a later layer
     # (measured: 0.005 at most on logits of magnitude ~20; a missing all-reduce: several units).
     one_rank = load_gguf_blocks(None)
-    _, expected = greedy_decode(PagedRunner(one_rank), random_prompts(PROMPT_LENGTHS, one_rank.vocab_size), DECODE_TOKENS)
-    for rank_logits in _run_ranks(tmp_path, tmp_path, load="gguf"):
+    prompts = random_prompts(PROMPT_LENGTHS, one_rank.vocab_size)
+    _, expected = greedy_decode(PagedRunner(one_rank), prompts, DECODE_TOKENS)
+    for rank_logits in run_ranks(tmp_path, tmp_path, prompts, load="gguf"):
         torch.testing.assert_close(rank_logits, expected, atol=1e-2, rtol=1e-3)
 
 
@@ -99,36 +73,15 @@ def test_two_ranks_of_an_int8_model_give_the_logits_of_one_rank(tmp_path: Path) 
     # so each row's scale comes from the maximum over both ranks: a rank-local scale would
     # change the quantized weights and the logits by far more than float32 rounding.
     save_tiny_model(tiny_llama_config(num_key_value_heads=4, attention_bias=True, mlp_bias=True), tmp_path)
-    _, expected = greedy_decode(
-        PagedRunner(load_int8(tmp_path, SINGLE_RANK)), random_prompts(PROMPT_LENGTHS, 97), DECODE_TOKENS
-    )
-    for rank_logits in _run_ranks(tmp_path, tmp_path, load="int8"):
+    prompts = random_prompts(PROMPT_LENGTHS, 97)
+    _, expected = greedy_decode(PagedRunner(load_int8(tmp_path, SINGLE_RANK)), prompts, DECODE_TOKENS)
+    for rank_logits in run_ranks(tmp_path, tmp_path, prompts, load="int8"):
         torch.testing.assert_close(rank_logits, expected, atol=1e-4, rtol=1e-4)
-
-
-def load_int8(model_dir: Path, tp: TensorParallel, device: str = "cpu") -> LlamaForCausalLM:
-    return load_scaled(model_dir, ScaledScheme(torch.int8, w8a8=False), tp, device)
-
-
-def load_widened_bf16(model_dir: Path, tp: TensorParallel, device: str = "cpu") -> LlamaForCausalLM:
-    """A bfloat16 model as the engine loads it on a CPU without native bfloat16."""
-    return load_planned(model_dir, STREAMED_FLOAT32, CpuAttentionBackend(), tp)
-
-
-# How a rank loads its model: a float32 checkpoint, a bfloat16 one on fused layers, the default
-# model on its GGUF blocks, a float32 checkpoint quantized to INT8 at load.
-LOADERS = {
-    "float32": load_ours,
-    "bfloat16": load_widened_bf16,
-    "gguf": lambda model_dir, tp, device: load_gguf_blocks(None, tp),
-    "int8": load_int8,
-}
 
 
 def assert_two_ranks_give_the_logits_of_one(config: PreTrainedConfig, tmp_path: Path, device: str = "cpu") -> None:
     save_tiny_model(config, tmp_path)
-    _, expected = greedy_decode(
-        PagedRunner(load_ours(tmp_path, device=device)), random_prompts(PROMPT_LENGTHS, config.vocab_size), DECODE_TOKENS
-    )
-    for rank_logits in _run_ranks(tmp_path, tmp_path, device):
+    prompts = random_prompts(PROMPT_LENGTHS, config.vocab_size)
+    _, expected = greedy_decode(PagedRunner(load_ours(tmp_path, device=device)), prompts, DECODE_TOKENS)
+    for rank_logits in run_ranks(tmp_path, tmp_path, prompts, device):
         torch.testing.assert_close(rank_logits, expected.cpu(), atol=1e-4, rtol=1e-4)
