@@ -4,7 +4,6 @@ models' tokenizers (the Rust DecodeStream path) and for one that cleans up space
 import pytest
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel, WordPiece
-from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from strata.launch.detokenizer import IncrementalDetokenizer
@@ -64,7 +63,7 @@ def test_a_tokenizer_that_cleans_up_spaces_streams_what_its_decode_gives() -> No
     # stream would not, so this tokenizer goes through decode.
     vocab = {"[UNK]": 0, "a": 1, "b": 2, ".": 3, ",": 4, "##b": 5}
     backend = Tokenizer(WordPiece(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = Whitespace()
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.decoder = decoders.WordPiece(cleanup=False)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=True)
     output = tokenizer.encode("a b. ab, a.", add_special_tokens=False)
