@@ -28,7 +28,9 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.include_stop = include_stop_str_in_output
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        # The Rust stream where it decodes as the tokenizer does; else _next_piece's decode windows.
         self._stream = DecodeStream(context, skip_special_tokens) if _decodes_as_its_backend(tokenizer) else None
+        self._backend = tokenizer.backend_tokenizer if self._stream else None
         self._ids = context
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -40,7 +42,7 @@ class IncrementalDetokenizer:
         """Add one token; return the text that may be released now (none without a tokenizer)."""
         if self.tokenizer is None:
             return ""
-        piece = self._stream.step(self.tokenizer.backend_tokenizer, token_id) if self._stream else self._next_piece(token_id)
+        piece = self._stream.step(self._backend, token_id) if self._stream else self._next_piece(token_id)
         if piece:
             self.text += piece
             self._check_stop()
