@@ -112,7 +112,7 @@ class ModelRunner:
         """One paged cache per layer of ``model``, ``num_blocks`` blocks each."""
         shape = (2, num_blocks, self.block_size, model.num_kv_heads_per_rank, model.head_dim)
         if self.device.type == "cpu":
-            return [zeroed_cpu_tensor(shape, self.cache_dtype) for _ in range(model.num_layers)]
+            return [zeroed_cpu_tensor(shape, self.cache_dtype, commit=True) for _ in range(model.num_layers)]
         return [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in range(model.num_layers)]
 
     @torch.inference_mode()

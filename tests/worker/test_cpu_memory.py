@@ -1,6 +1,8 @@
-"""The CPU KV cache's memory: zeros that cost nothing until written, and a size check up front;
-the weights' memory: moved onto huge pages in place."""
+"""The CPU KV cache's memory: zeros that cost nothing until written or backed at once when
+committed, and a size check up front; the weights' memory: moved onto huge pages in place."""
 
+import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ from strata.worker.cpu_memory import check_kv_cache_fits, move_to_huge_pages, mo
 from strata.worker.tp_layers import QuantizedWeight
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+KERNEL_VERSION = tuple(int(part) for part in re.findall(r"\d+", platform.release())[:2])
 
 
 def test_zeroed_tensor_reads_as_zeros_and_takes_writes():
@@ -32,6 +35,14 @@ def test_zeroed_tensor_costs_no_memory_until_written():
     assert psutil.Process().memory_info().rss - rss < 64 << 20
     cache[: 1 << 20] = 1.0
     assert cache[: 1 << 20].sum().item() == 1 << 20
+
+
+@pytest.mark.skipif(KERNEL_VERSION < (5, 14), reason="MADV_POPULATE_WRITE is Linux 5.14's")
+def test_a_committed_tensor_is_backed_at_once_and_reads_as_zeros():
+    rss = psutil.Process().memory_info().rss
+    cache = zeroed_cpu_tensor((16 << 20,), torch.float32, commit=True)  # 64 MB
+    assert psutil.Process().memory_info().rss - rss >= 60 << 20
+    assert torch.count_nonzero(cache) == 0
 
 
 def test_an_empty_shape_gives_an_empty_tensor():
