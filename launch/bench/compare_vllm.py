@@ -17,7 +17,8 @@ file there), 2 threads, its own batched decoding for many prompts. Each is loade
 (``compare_vllm_driver.py``), runs every workload, and stops before the next one loads: an idle
 vLLM engine wakes about 1,300 times a second (its processes' context switches), and held beside
 a strata engine it cut strata's long workload by 6% (29.6 -> 27.9 tokens/s on Xeon-AVX512) while
-vLLM measured the same alone or beside strata. Each reports its resident memory once loaded. strata runs at ``--strata-dtype`` (its default, auto, unless told). Workloads,
+vLLM measured the same alone or beside strata. Each reports its resident memory once loaded, its
+processes' together (an EngineCore's and workers' too). strata runs at ``--strata-dtype`` (its default, auto, unless told). Workloads,
 seeded as in ``strata bench throughput``:
 
     A       64 prompts of 32-512 tokens -> 128 each

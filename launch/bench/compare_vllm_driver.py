@@ -4,15 +4,17 @@ llama.cpp through llama-cpp-python's bindings.
 Run by path (the peers' environments have no strata to find it in) with the interpreter of the
 engine's own environment (a peer's must never share strata's), so this file imports only the
 standard library at the top and the engine it drives when it loads it. Protocol, one JSON
-object a line: after loading it prints ``{"ready": true, "rss_mib": M}`` (this process's resident
-memory); then for each line ``{"prompts": [[ids]], "max_tokens": N}`` on stdin it clears the
-prefix cache, generates greedily with EOS ignored, checks that every request made exactly N
-tokens, and prints ``{"elapsed_s": S, "output_tokens": T}``. EOF on stdin ends it. Replies start
-with ``REPLY_MARK``: the engines log to stdout too.
+object a line: after loading it prints ``{"ready": true, "rss_mib": M}`` (the resident memory of
+this process and of the engine's processes under it, ``resident_mib``); then for each line
+``{"prompts": [[ids]], "max_tokens": N}`` on stdin it clears the prefix cache, generates greedily
+with EOS ignored, checks that every request made exactly N tokens, and prints ``{"elapsed_s": S,
+"output_tokens": T}``. EOF on stdin ends it. Replies start with ``REPLY_MARK``: the engines log
+to stdout too.
 """
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -131,12 +133,35 @@ def load_llama_cpp(args: argparse.Namespace) -> tuple[Callable[[], None], Genera
 
 
 def resident_mib() -> float:
-    """This process's resident memory (VmRSS), in MiB."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    """The resident memory of this process and of every process under it (an engine's EngineCore
+    and workers hold its weights and KV cache), in MiB: their proportional set sizes (``Pss``),
+    so that pages they share, such as libraries, count once."""
+    total_kib = 0
+    for pid in [os.getpid(), *descendants(os.getpid())]:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as rollup:
+                total_kib += next(int(line.split()[1]) for line in rollup if line.startswith("Pss:"))
+        except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
+            continue
+    return total_kib / 1024
+
+
+def descendants(root: int) -> list[int]:
+    """The processes under ``root``: its children, theirs, and so on."""
+    children: dict[int, list[int]] = {}
+    for pid in (int(entry) for entry in os.listdir("/proc") if entry.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                parent = int(stat.read().rpartition(")")[2].split()[1])  # the name, in parentheses, may hold spaces
+        except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
+            continue
+        children.setdefault(parent, []).append(pid)
+    found, pending = [], [root]
+    while pending:
+        found_now = children.get(pending.pop(), [])
+        found += found_now
+        pending += found_now
+    return found
 
 
 def reply(message: dict) -> None:

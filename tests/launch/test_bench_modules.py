@@ -1,5 +1,6 @@
 """The benchmarks run as ``python -m strata.launch.bench.<name>`` import and answer ``--help``;
-the vLLM comparison's driver starts where only the standard library is; ``dp_routing`` reads
+the vLLM comparison's driver starts where only the standard library is and counts its engine's
+processes' memory; ``dp_routing`` reads
 its command line as ``dp_routing.sh`` did. Nothing here runs an engine."""
 
 import importlib
@@ -34,6 +35,21 @@ def test_vllm_driver_starts_without_strata_or_any_installed_package():
     command = [sys.executable, "-I", "-S", compare_vllm_driver.__file__, "--help"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_vllm_driver_counts_the_memory_of_the_engine_processes_under_it():
+    # An engine's EngineCore and workers, not the driver, hold its weights and KV cache.
+    before = compare_vllm_driver.resident_mib()
+    holder = (
+        "import sys; held = bytearray(256 << 20); held[::4096] = bytes(len(held[::4096]));"
+        "print(1, flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen([sys.executable, "-c", holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "1\n"
+        assert compare_vllm_driver.resident_mib() - before > 250
+    finally:
+        child.communicate(timeout=30)
 
 
 def test_dp_routing_runs_every_policy_on_the_default_load_unless_told_otherwise():
