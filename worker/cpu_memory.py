@@ -8,9 +8,9 @@ The KV cache is the opposite case: gigabytes that must read as zeros. ``torch.ze
 every byte at start-up (0.45 s a GiB on a quiet 2-core EPYC, several times that under load);
 anonymous memory straight from the kernel reads as zeros without being written. Left to fault in
 where a block is first written, it made every step that wrote fresh blocks pay for the faults
-until the free queue (least recently freed first) had handed out every block once: 3-4% of
-workload A's throughput on Xeon-AMX, in a benchmark and in a server's first gigabytes of
-traffic alike. So the worker asks the kernel to back the whole cache at start
+until the free queue (least recently freed first) had handed out every block once: 2-4% of
+workload A's throughput on Xeon-AMX (sessions 31 and 43), in a benchmark and in a server's first
+gigabytes of traffic alike. So the worker asks the kernel to back the whole cache at start
 (``MADV_POPULATE_WRITE``, Linux 5.14 and later: 0.33 s a GiB, the kernel's zeroing alone), after
 checking its size against the memory available: a cache too big for the machine is refused
 then, rather than killed for memory once enough blocks are written.
