@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
+from strata.engine_core.held_outputs import HeldOutputs
 from strata.engine_core.kv_connector import SchedulerConnector
 from strata.engine_core.kv_events import KVEventPublisher
 from strata.engine_core.protocol import (
@@ -97,9 +98,12 @@ class EngineCore:
         self.structured: StructuredOutputs | None = None  # built with the first grammar
         self._awaiting_grammar: dict[str, Request] = {}  # WAITING_FOR_GRAMMAR, outside the scheduler
         self._finished: list[FinishedRequest] = []  # requests finished while awaiting their grammar
+        self.held = HeldOutputs()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; one that can never run is answered with an ``error`` output."""
+        if not request.stream:
+            self.held.hold(request.request_id)
         error = self._token_id_error(request)
         if error is not None:
             self.scheduler.reject(request.request_id, error)
@@ -161,8 +165,8 @@ class EngineCore:
                 self.structured.remove(request_id)
         self.scheduler.abort_requests(request_ids, message)
 
-    def abort_everything(self, reason: str) -> list[FinishedRequest]:
-        """Fail every request (the engine is stopping) and return their outputs: theirs
+    def abort_everything(self, reason: str) -> EngineCoreOutputs:
+        """Fail every request (the engine is stopping): the outputs that end them all, theirs
         marked ``engine_fault``, those already finished (a refusal not yet reported) as they were."""
         failing = [*self._awaiting_grammar, *self.scheduler.requests]
         self.abort_requests(failing, reason)
@@ -170,7 +174,7 @@ class EngineCore:
         failed = set(failing)
         for output in finished:
             output.engine_fault = output.request_id in failed
-        return finished
+        return self.held.filter(EngineCoreOutputs(finished=finished))
 
     def has_work(self) -> bool:
         return (
@@ -186,7 +190,7 @@ class EngineCore:
                 self._admit_compiled()
         if not self.scheduler.has_work() and not self._batch_queue:
             finished, self._finished = self._finished, []
-            return EngineCoreOutputs(finished=finished)
+            return self.held.filter(EngineCoreOutputs(finished=finished))
         scheduler_output, runner_output = self._run_step()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.structured is not None and self.structured.matchers:
@@ -199,7 +203,7 @@ class EngineCore:
         events = self.scheduler.take_kv_events()
         if self.event_publisher is not None:
             self.event_publisher.publish(events)
-        return outputs
+        return self.held.filter(outputs)
 
     def _run_step(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         """One step through the executor: at once, or the oldest in flight after filling the

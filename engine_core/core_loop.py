@@ -38,6 +38,8 @@ IDLE_WAKE_S = 0.2
 # (a last EngineDead) may wait this long for it.
 UNSENT_RETRY_S = 0.01
 EXIT_SEND_TIMEOUT_S = 5.0
+# The longest a frontend goes without the scheduler's stats while the engine steps.
+STATS_INTERVAL_S = 1.0
 
 
 class ExecutorFailed(RuntimeError):
@@ -49,6 +51,7 @@ class EngineCoreLoop:
         self.core: EngineCore | None = None
         self.inputs: queue.Queue = queue.Queue()
         self._unsent: deque[bytes] = deque()  # encoded outputs the output socket has not taken yet
+        self._last_output_time = 0.0  # when a step's outputs last went out (time.monotonic())
         self._encoder = msgspec.msgpack.Encoder()
         self.context = zmq.Context()
         # Bound before the loop starts, so the frontend can connect as soon as it hears "ready".
@@ -86,7 +89,7 @@ class EngineCoreLoop:
             while not self.inputs.empty():
                 self._handle(self.inputs.get_nowait())
             if self.core.has_work():
-                self._emit(self.core.step())
+                self._emit_step(self.core.step())
 
     def _wait_for_input(self) -> None:
         """Idle: block instead of spinning, but wake now and then so that a signal handler (run
@@ -136,7 +139,7 @@ class EngineCoreLoop:
         return result
 
     def _fail_everything(self, reason: str) -> None:
-        self._emit(EngineCoreOutputs(finished=self.core.abort_everything(reason)))
+        self._emit(self.core.abort_everything(reason))
         self._emit(EngineDead(reason))
 
     def _receive(self) -> None:
@@ -150,6 +153,15 @@ class EngineCoreLoop:
                 self.inputs.put(decoder.decode(frame))
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
                 logger.warning("dropped a malformed frame on the EngineCore input socket: %s", error)
+
+    def _emit_step(self, outputs: EngineCoreOutputs) -> None:
+        """Send a step's outputs; one with nothing but stats (its requests' tokens are held, or
+        it ran prefill chunks that sample nothing) only if the frontend has heard nothing for
+        ``STATS_INTERVAL_S``: each message wakes the frontend (``engine_core/held_outputs.py``)."""
+        now = time.monotonic()
+        if outputs.has_results or now - self._last_output_time >= STATS_INTERVAL_S:
+            self._last_output_time = now
+            self._emit(outputs)
 
     def _emit(self, message: object) -> None:
         self._unsent.append(self._encoder.encode(message))

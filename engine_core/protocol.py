@@ -56,6 +56,11 @@ class LoRAAdapter(msgspec.Struct, array_like=True, frozen=True):
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, tag="add"):
+    """A request from a frontend. ``stream``: its tokens go out with every step's outputs;
+    False (a frontend that wants only whole completions) holds them in the EngineCore until
+    the request finishes, so that a long generation costs the frontend one message, not one
+    per step (``engine_core/held_outputs.py``)."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -64,6 +69,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag="add"):
     priority: int = 0
     cache_salt: str | None = None  # requests with different salts never share KV blocks
     lora: LoRAAdapter | None = None  # None: the base model
+    stream: bool = True
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
@@ -107,13 +113,17 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
 class FinishedRequest(msgspec.Struct, array_like=True):
     """A request the engine is done with. An ``error`` is the request's fault (refused,
     rejected by its grammar or adapter) unless ``engine_fault``: its engine or data-parallel
-    replica failed under it, which the server answers with a 5xx, not a 400."""
+    replica failed under it, which the server answers with a 5xx, not a 400. A request that
+    did not stream carries when the EngineCore took its first and last tokens (``time.time()``;
+    None before any)."""
 
     request_id: str
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     message: str | None = None
     stop_token_id: int | None = None
     engine_fault: bool = False
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -164,6 +174,11 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="out"):
     finished: list[FinishedRequest] = []
     stats: SchedulerStats | None = None
     prompt_logprobs: dict[str, PromptLogprobs] = {}
+
+    @property
+    def has_results(self) -> bool:
+        """Whether it carries anything for some request (else only the step's stats)."""
+        return bool(self.request_ids or self.finished or self.prompt_logprobs)
 
 
 # ---- EngineCore <-> workers --------------------------------------------------------------

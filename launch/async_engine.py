@@ -83,9 +83,11 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora: LoRAAdapter | None = None,
+        stream: bool = True,
     ) -> AsyncIterator[CompletionDelta]:
         """Stream the deltas of every completion of ``prompt`` until all are finished, with
-        the LoRA adapter ``lora`` (one of ``self.loras``; None: the base model).
+        the LoRA adapter ``lora`` (one of ``self.loras``; None: the base model). ``stream``:
+        False when the caller wants only whole completions, which come then as one delta each.
         Raises ``EngineDeadError`` if the engine dies meanwhile, ``ValueError`` at once for a
         request id already in use."""
         if self.dead_reason is not None:
@@ -94,7 +96,7 @@ class AsyncEngine:
         text, token_ids = (prompt, self.tokenize(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         # Registered first: a duplicate request id raises here, before it could replace the
         # stream of the request that holds the id.
-        requests = self.processor.add_request(request_id, text, token_ids, params, priority, cache_salt, lora)
+        requests = self.processor.add_request(request_id, text, token_ids, params, priority, cache_salt, lora, stream)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False

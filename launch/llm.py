@@ -99,7 +99,7 @@ class LLM:
                 text, token_ids = self._encode(prompt)
                 request_id = str(next(self._ids))
                 requests += self.processor.add_request(
-                    request_id, text, token_ids, params, cache_salt=cache_salt, lora=lora
+                    request_id, text, token_ids, params, cache_salt=cache_salt, lora=lora, stream=False
                 )
                 request_ids.append(request_id)
         except (TypeError, ValueError):

@@ -73,10 +73,13 @@ class OutputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         lora: LoRAAdapter | None = None,
+        stream: bool = True,
     ) -> list[EngineCoreRequest]:
         """Register a prompt and return the engine requests for its ``n`` completions.
         ``cache_salt``: requests share prefix-cache blocks only with requests of the same salt.
-        ``lora``: the adapter its completions run with (None: the base model)."""
+        ``lora``: the adapter its completions run with (None: the base model). ``stream``:
+        False when only the finished completions are wanted, which lets the EngineCore hold
+        their tokens until then (unless stop strings need the text as it grows)."""
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
         if cache_salt == "":
@@ -112,7 +115,8 @@ class OutputProcessor:
             self._completions[child_id] = _Completion(output, completion, detokenizer, params.logprobs is not None)
             requests.append(
                 EngineCoreRequest(
-                    child_id, prompt_token_ids, child_params, self.eos_token_id, now, priority, cache_salt, lora
+                    child_id, prompt_token_ids, child_params, self.eos_token_id, now, priority, cache_salt, lora,
+                    stream=stream or bool(params.stop),
                 )
             )
         return requests
@@ -132,6 +136,12 @@ class OutputProcessor:
     def process(self, outputs: EngineCoreOutputs) -> tuple[list[CompletionDelta], list[str]]:
         """Apply one step. Returns the deltas and the engine requests to abort (stop strings)."""
         now = time.time()
+        # Tokens held in the EngineCore come with their finish record, stamped there.
+        held_times = {
+            finished.request_id: (finished.first_token_time, finished.last_token_time)
+            for finished in outputs.finished
+            if finished.first_token_time is not None
+        }
         deltas: dict[str, CompletionDelta] = {}
         to_abort: list[str] = []
         for request_id, prompt_logprobs in outputs.prompt_logprobs.items():
@@ -145,8 +155,10 @@ class OutputProcessor:
             completion = state.completion
             completion.token_ids.append(token)
             metrics = state.output.metrics
-            metrics.first_token_time = metrics.first_token_time or now
-            metrics.last_token_time = now
+            first, last = held_times.get(request_id, (now, now))
+            # The earliest first token and the latest last one over the prompt's completions.
+            metrics.first_token_time = min(metrics.first_token_time or first, first)
+            metrics.last_token_time = max(metrics.last_token_time or last, last)
             metrics.num_generated_tokens += 1
             text = state.detokenizer.append(token)
             completion.text += text

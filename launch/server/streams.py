@@ -211,7 +211,7 @@ class EngineRun:
         job, request_id = self._job, self._request_ids[prompt_index]
         deltas = self._engine.generate(
             job.prompts[prompt_index], job.params, request_id, priority=job.priority, cache_salt=job.cache_salt,
-            lora=job.lora,
+            lora=job.lora, stream=job.stream,
         )
         try:
             async for delta in deltas:

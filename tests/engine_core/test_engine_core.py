@@ -52,7 +52,7 @@ def test_failing_everything_marks_the_engines_fault_but_not_an_earlier_refusal()
     core.add_request(make_request("running"))
     core.step()
     core.add_request(make_request("refused", eos_token_id=VOCAB_SIZE))
-    finished = {request.request_id: request for request in core.abort_everything("worker rank 1 died")}
+    finished = {request.request_id: request for request in core.abort_everything("worker rank 1 died").finished}
     assert (finished["running"].finish_reason, finished["running"].message) == ("error", "worker rank 1 died")
     assert finished["running"].engine_fault
     assert finished["refused"].finish_reason == "error" and not finished["refused"].engine_fault
