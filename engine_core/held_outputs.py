@@ -12,9 +12,7 @@ finish record, stamped with when the EngineCore took its first and last tokens.
 import time
 from dataclasses import dataclass, field
 
-import msgspec
-
-from strata.engine_core.protocol import EngineCoreOutputs, FinishedRequest, PromptLogprobs, TokenLogprobs
+from strata.engine_core.protocol import EngineCoreOutputs, PromptLogprobs, TokenLogprobs
 
 
 @dataclass
@@ -42,22 +40,22 @@ class HeldOutputs:
         if not self._held:
             return outputs
         now = time.time()
-        kept_ids: list[int] = []
-        for position, request_id in enumerate(outputs.request_ids):
+        request_ids: list[str] = []
+        new_token_ids: list[int] = []
+        for request_id, token in zip(outputs.request_ids, outputs.new_token_ids):
             held = self._held.get(request_id)
             if held is None:
-                kept_ids.append(position)
+                request_ids.append(request_id)
+                new_token_ids.append(token)
                 continue
-            held.token_ids.append(outputs.new_token_ids[position])
+            held.token_ids.append(token)
             held.first_token_time = held.first_token_time or now
             held.last_token_time = now
         for request_id in [r for r in outputs.logprobs if r in self._held]:
             self._held[request_id].logprobs.extend(outputs.logprobs.pop(request_id))
         for request_id in [r for r in outputs.prompt_logprobs if r in self._held]:
             self._held[request_id].prompt_logprobs.append(outputs.prompt_logprobs.pop(request_id))
-        request_ids = [outputs.request_ids[i] for i in kept_ids]
-        new_token_ids = [outputs.new_token_ids[i] for i in kept_ids]
-        for index, finished in enumerate(outputs.finished):
+        for finished in outputs.finished:
             held = self._held.pop(finished.request_id, None)
             if held is None:
                 continue
@@ -67,9 +65,7 @@ class HeldOutputs:
                 outputs.logprobs[finished.request_id] = held.logprobs
             if held.prompt_logprobs:
                 outputs.prompt_logprobs[finished.request_id] = _joined(held.prompt_logprobs)
-            outputs.finished[index] = msgspec.structs.replace(
-                finished, first_token_time=held.first_token_time, last_token_time=held.last_token_time
-            )
+            finished.first_token_time, finished.last_token_time = held.first_token_time, held.last_token_time
         outputs.request_ids, outputs.new_token_ids = request_ids, new_token_ids
         return outputs
 
