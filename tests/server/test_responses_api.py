@@ -71,13 +71,14 @@ def test_a_stream_sends_typed_events_in_order_that_add_up_to_the_response(client
 
 
 def test_a_response_cut_by_max_output_tokens_is_incomplete(client, model):
-    response = client.responses.create(model=model, input="Tell me a long story.", max_output_tokens=3)
+    response = client.responses.create(model=model, input="Tell me a long story.", max_output_tokens=3, temperature=0)
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert response.output[0].status == "incomplete" and response.usage.output_tokens == 3
 
 
 def test_a_stream_cut_by_max_output_tokens_ends_with_response_incomplete(client, model):
-    with client.responses.stream(model=model, input="Tell me a long story.", max_output_tokens=3) as stream:
+    cut = {"input": "Tell me a long story.", "max_output_tokens": 3, "temperature": 0}
+    with client.responses.stream(model=model, **cut) as stream:
         events = list(stream)
     last = events[-1]
     assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
