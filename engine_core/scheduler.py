@@ -335,8 +335,8 @@ class Scheduler:
                 if drafts:
                     output.cached.draft_token_ids[request.handle] = pack_tokens(drafts)
                     request.num_drafts = len(drafts)
-                elif computed < request.num_prompt_tokens:
-                    self.prompt_tokens_computed += min(num_new, request.num_prompt_tokens - computed)
+            if computed < request.num_prompt_tokens:  # a chunk of its prompt, drafts or not after it
+                self.prompt_tokens_computed += min(num_new, request.num_prompt_tokens - computed)
             request.num_computed_tokens = computed + num_new
             add_handle(request.handle)
             schedule_request(request)

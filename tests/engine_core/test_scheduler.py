@@ -38,6 +38,13 @@ def test_long_prompt_is_chunked_to_the_budget_across_steps(make_request):
     assert len(result.token_ids) == 2
 
 
+def test_a_prompts_last_token_chunked_alone_counts_as_prefilled(make_request):
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(make_request(9, max_tokens=1))
+    run_to_completion(scheduler, FakeRunner(16))
+    assert scheduler.prompt_tokens_computed == 9
+
+
 def test_decode_batch_schedules_one_token_per_running_request(make_request):
     scheduler = make_scheduler()
     runner = FakeRunner(16)
