@@ -30,6 +30,11 @@ DP_ROUTING_POLICIES = ("cache-aware", "least-loaded", "round-robin")
 # A CPU step is compute-bound from a few rows on, so each draft costs nearly a token's compute:
 # n-gram drafts on prose lost 4% at 4 requests and 14% at 8 (docs/performance.md).
 CPU_SPECULATION_BATCH_LIMIT = 4
+# A CPU decode walks each sequence's blocks from memory, and a sequence's blocks lie apart once
+# it grows step by step beside others: at 16 positions a block, workload A ran 6.6% slower, B 10%,
+# the long one 11% than at 64 (Xeon-AMX, docs/performance.md). The Triton kernels keep 16.
+CPU_BLOCK_SIZE = 64
+CUDA_BLOCK_SIZE = 16
 
 T = TypeVar("T")
 
@@ -133,7 +138,10 @@ class EngineArgs:
     max_num_batched_tokens: int = flag(2048, "token budget per step")
     max_num_seqs: int = flag(256, "most requests in one step")
     max_model_len: int | None = flag(None, f"default: the model's, capped at {DEFAULT_MAX_MODEL_LEN_CAP}")
-    block_size: int = flag(16)
+    block_size: int | None = flag(
+        None, f"tokens per KV-cache block (default: {CPU_BLOCK_SIZE} on CPU, {CUDA_BLOCK_SIZE} on GPUs)",
+        rule=at_least(1),
+    )
     kv_cache_memory: int | None = flag(None, "KV-cache bytes per rank")
     num_gpu_blocks: int | None = flag(None, "KV-cache blocks (overrides --kv-cache-memory)")
     gpu_memory_utilization: float = flag(
@@ -354,6 +362,7 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
 
     path = resolve_model_path(args.model)
     device = _device(args.device)
+    block_size = args.block_size or (CPU_BLOCK_SIZE if device == "cpu" else CUDA_BLOCK_SIZE)
     model_config = json.loads((path / "config.json").read_text())
     # Fail before any process starts.
     model_cls = model_class(model_config.get("model_type", ""), model_config.get("architectures"))
@@ -370,7 +379,7 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len,
-        block_size=args.block_size,
+        block_size=block_size,
         policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
         speculative=args.speculative_config(device),
@@ -387,7 +396,7 @@ def resolve(args: EngineArgs) -> ResolvedConfig:
     same_named = {name: engine_fields[name] for name in WorkerConfig.__struct_fields__ if name in engine_fields}
     gguf = gguf_file(args.model)
     resolved_here = {
-        "model": str(path), "device": device, "max_model_len": max_model_len,
+        "model": str(path), "device": device, "max_model_len": max_model_len, "block_size": block_size,
         "gguf_file": None if gguf is None else str(gguf), "enable_lora": args.lora_enabled,
     } | _resolve_draft(args, model_config)
     worker = WorkerConfig(**(same_named | resolved_here))

@@ -2,8 +2,9 @@
 prompts it has seen, and changes nothing else."""
 
 from strata import LLM, SamplingParams
+from strata.runtime.engine_args import CPU_BLOCK_SIZE
 
-PROMPT = list(range(100, 164))  # four full 16-token blocks
+PROMPT = list(range(100, 100 + 4 * CPU_BLOCK_SIZE))  # four full blocks
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
@@ -18,7 +19,7 @@ def check_reset_prefix_cache_forgets_seen_prompts(llm: LLM) -> None:
     first_hits, first_tokens = prefix_hit_tokens_of_one_run(llm)
     assert first_hits == 0
     repeat_hits, repeat_tokens = prefix_hit_tokens_of_one_run(llm)
-    assert repeat_hits >= 3 * 16, "the repeated prompt should have hit the cache"
+    assert repeat_hits >= 3 * CPU_BLOCK_SIZE, "the repeated prompt should have hit the cache"
     llm.reset_prefix_cache()
     after_reset_hits, after_reset_tokens = prefix_hit_tokens_of_one_run(llm)
     assert after_reset_hits == 0

@@ -2,14 +2,16 @@
 after layer, each layer with its own paged cache so the reads come from memory as in a real step:
 
     python -m strata.launch.bench.decode_attention [--seqs 64] [--context 320] [--layers 30]
-        [--heads 9] [--kv-heads 3] [--head-dim 64] [--dtype bfloat16] [--cache-dtype fp8] [--scattered]
+        [--heads 9] [--kv-heads 3] [--head-dim 64] [--block-size 64] [--dtype bfloat16] [--cache-dtype fp8]
+        [--scattered]
 
-The shape defaults to the default model's (9 query heads, 3 KV heads of 64, 30 layers,
-16-position blocks); ``--dtype`` is the queries' and, unless ``--cache-dtype`` names another
-(as ``--kv-cache-dtype`` does), the cache's (bfloat16, or float32 as a float32 model keeps them). Each sequence's blocks are contiguous in the cache, as they are for
-a prompt prefilled at once, or with ``--scattered`` spread at random over it, as after long
-serving. Prints the best of 7 timings of the whole stack, microseconds per layer and the cache
-bytes read per second, with ``lscpu``'s CPU.
+The shape defaults to the default model's (9 query heads, 3 KV heads of 64, 30 layers) in the
+engine's CPU blocks (64 positions); ``--dtype`` is the queries' and, unless ``--cache-dtype`` names
+another (as ``--kv-cache-dtype`` does), the cache's (bfloat16, or float32 as a float32 model keeps
+them). Each sequence's blocks are contiguous in the cache, as they are for a prompt prefilled at
+once, or with ``--scattered`` spread at random over it, as for the blocks a sequence gains while
+it decodes beside others. Prints the best of 7 timings of the whole stack, microseconds per
+layer and the cache bytes read per second, with ``lscpu``'s CPU.
 """
 
 import argparse
@@ -19,9 +21,8 @@ import torch
 
 from strata.kernels import cpu_attention
 from strata.launch.bench.compare_vllm import CpuInfo
+from strata.runtime.engine_args import CPU_BLOCK_SIZE
 from strata.worker.attention import named_cache_dtype
-
-BLOCK_SIZE = 16
 
 
 def main() -> None:
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=CPU_BLOCK_SIZE, help="positions per block")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--cache-dtype", choices=["bfloat16", "float32", "float16", "fp8"], help="default: --dtype")
     parser.add_argument("--scattered", action="store_true", help="each sequence's blocks at random places")
@@ -41,9 +43,9 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     cache_dtype = named_cache_dtype(args.cache_dtype or args.dtype)
     generator = torch.Generator().manual_seed(0)
-    blocks_per_seq = -(-args.context // BLOCK_SIZE)
+    blocks_per_seq = -(-args.context // args.block_size)
     num_blocks = args.seqs * blocks_per_seq
-    shape = (2, num_blocks, BLOCK_SIZE, args.kv_heads, args.head_dim)
+    shape = (2, num_blocks, args.block_size, args.kv_heads, args.head_dim)
     caches = [torch.randn(shape, generator=generator).to(cache_dtype) for _ in range(args.layers)]
     order = torch.randperm(num_blocks, generator=generator) if args.scattered else torch.arange(num_blocks)
     block_tables = order.to(torch.int32).view(args.seqs, blocks_per_seq).contiguous()
@@ -68,7 +70,7 @@ def main() -> None:
     print(CpuInfo.read().describe())
     print(
         f"{args.seqs} x {args.context} positions, {args.layers} layers, {args.dtype} queries over a "
-        f"{cache_dtype} cache, {layout} blocks: "
+        f"{cache_dtype} cache, {layout} blocks of {args.block_size}: "
         f"{best * 1e6 / args.layers:.0f} us per layer, {cache_bytes / best / 1e9:.1f} GB/s of cache read"
     )
 

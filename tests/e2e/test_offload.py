@@ -41,8 +41,9 @@ def test_long_context_reuse_computes_3x_fewer_prefill_tokens_with_the_same_outpu
     doc_a, doc_b = documents(2, 1024)
     questions = documents(8, 16, seed=1)
     rounds = [[(doc_a if i % 2 == 0 else doc_b) + questions[i]] for i in range(8)]
-    without, stats_off = run_rounds(tiny_model, rounds, num_gpu_blocks=80)
-    with_offload, stats_on = run_rounds(tiny_model, rounds, num_gpu_blocks=80, kv_offload_cpu_bytes=OFFLOAD_BYTES)
+    pool = {"block_size": 16, "num_gpu_blocks": 80}
+    without, stats_off = run_rounds(tiny_model, rounds, **pool)
+    with_offload, stats_on = run_rounds(tiny_model, rounds, **pool, kv_offload_cpu_bytes=OFFLOAD_BYTES)
     assert with_offload == without
     assert stats_on.offload_hit_tokens > 0
     assert stats_off.prompt_tokens_computed >= 3 * stats_on.prompt_tokens_computed
@@ -53,7 +54,9 @@ def test_preemption_with_offload_gives_the_same_tokens(tiny_model):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     results = {}
     for offload in (None, OFFLOAD_BYTES):
-        (tokens,), stats = run_rounds(tiny_model, [prompts], params, num_gpu_blocks=30, kv_offload_cpu_bytes=offload)
+        (tokens,), stats = run_rounds(
+            tiny_model, [prompts], params, block_size=16, num_gpu_blocks=30, kv_offload_cpu_bytes=offload
+        )
         results[offload] = tokens
         assert stats.num_preemptions > 0
         if offload:

@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 from strata import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-SHARED = "You are a helpful assistant. Answer briefly and precisely. " * 4
+SHARED = "You are a helpful assistant. Answer briefly and precisely. " * 8  # over a CPU block (64 tokens)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_batched_with_chunked_prefill_equals_alone(prompts, alone):
 
 
 def test_batched_with_preemption_equals_alone(prompts, alone):
-    tokens, llm = generate(prompts, num_gpu_blocks=12, max_num_batched_tokens=64)
+    tokens, llm = generate(prompts, block_size=16, num_gpu_blocks=12, max_num_batched_tokens=64)
     assert llm.stats.num_preemptions > 0, "the KV pool was meant to force preemption"
     assert tokens == alone
 

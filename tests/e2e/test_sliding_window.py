@@ -43,8 +43,9 @@ def test_greedy_tokens_equal_hf(model, prompts, whole):
 
 def test_chunked_prefill_from_prefix_cached_blocks_gives_the_same_tokens(model, prompts, whole):
     # 13-token chunks end inside blocks and windows; the later prompts find the first's
-    # 32-token prefix (two full blocks) cached, part of it behind their window.
-    with LLM(model[0], executor="uni", dtype="float32", enable_prefix_caching=True, max_num_batched_tokens=13) as llm:
+    # 32-token prefix (two full blocks of 16) cached, part of it behind their window.
+    with LLM(model[0], executor="uni", dtype="float32", enable_prefix_caching=True, max_num_batched_tokens=13,
+             block_size=16) as llm:
         first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
         rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
         assert llm.stats.prefix_cache_hits > 0

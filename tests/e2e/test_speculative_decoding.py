@@ -74,7 +74,7 @@ def test_max_tokens_and_eos_are_never_passed(plain, speculative):
 
 
 @pytest.mark.parametrize(
-    "cache", [{}, {"num_gpu_blocks": 12}], ids=["room-for-all", "small-cache-preempts"]
+    "cache", [{}, {"block_size": 16, "num_gpu_blocks": 12}], ids=["room-for-all", "small-cache-preempts"]
 )
 def test_tiny_random_model_with_drafts_equals_without(cache, tmp_path, default_model_path):
     # With a small cache, blocks that only rejected drafts used go back to the pool and are

@@ -60,8 +60,9 @@ def test_sampled_tokens_with_drafts_follow_the_targets_distribution(target, meth
         outputs = llm.generate([PROMPT] * NUM_DRAWS, params, use_tqdm=False)
         stats = llm.stats
     drawn = np.array([output.outputs[0].token_ids for output in outputs])
-    # Every second token was verified as a draft or sampled after a rejected one.
-    assert stats.spec_verifications == NUM_DRAWS
+    # Every second token was verified as a draft or sampled after a rejected one; a request whose
+    # prompt's last chunk is its last token verifies drafts there already, and may again after.
+    assert stats.spec_verifications >= NUM_DRAWS
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
 
     first = int(np.bincount(drawn[:, 0]).argmax())

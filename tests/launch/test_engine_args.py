@@ -106,6 +106,16 @@ def test_without_lora_flags_the_scheduler_has_no_adapter_slots(tmp_path: Path) -
 
 
 @pytest.mark.parametrize(
+    "settings, block_size",
+    [({"device": "cpu"}, 64), ({"device": "cuda"}, 16), ({"device": "cpu", "block_size": 16}, 16)],
+)
+def test_the_block_size_defaults_by_device_unless_set(tmp_path: Path, settings: dict, block_size: int) -> None:
+    tiny_llama_config().save_pretrained(tmp_path)
+    resolved = resolve(EngineArgs(model=str(tmp_path), skip_tokenizer=True, **settings))
+    assert resolved.scheduler.block_size == resolved.worker.block_size == block_size
+
+
+@pytest.mark.parametrize(
     "settings, scheduled_ahead",
     [
         ({"executor": "mp"}, True),

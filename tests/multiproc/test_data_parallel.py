@@ -12,8 +12,8 @@ import pytest
 from strata import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-SYSTEM_A = "You are a pirate who answers every question about ships, maps and the open sea. " * 4
-SYSTEM_B = "You are a careful librarian who answers every question about books and reading. " * 4
+SYSTEM_A = "You are a pirate who answers every question about ships, maps and the open sea. " * 8
+SYSTEM_B = "You are a careful librarian who answers every question about books and reading. " * 8
 
 
 @pytest.fixture(autouse=True)

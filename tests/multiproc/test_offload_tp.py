@@ -28,7 +28,7 @@ def test_tp2_greedy_tokens_equal_with_offload_on_and_off(default_model_path):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokens = {}
     for offload in (None, OFFLOAD_BYTES):
-        with LLM(executor="mp", tensor_parallel_size=2, dtype="float32", num_gpu_blocks=30,
+        with LLM(executor="mp", tensor_parallel_size=2, dtype="float32", block_size=16, num_gpu_blocks=30,
                  kv_offload_cpu_bytes=offload) as llm:
             # Alternate with a distractor so the document's GPU blocks are evicted in between.
             tokens[offload] = [

@@ -18,10 +18,10 @@ from model_factory import hf_greedy, random_prompts, save_tiny_model, tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 VOCAB = 97  # prompts draw from the first ids only
-# The options both engines of the shared pair run with: a cache of 14 blocks (224 tokens) that a
-# 180-token document and its reverse cannot share, so the document's blocks go to the CPU tier.
+# The options both engines of the shared pair run with: a cache of 14 blocks of 16 (224 tokens)
+# that a 180-token document and its reverse cannot share, so the document's blocks go to the CPU tier.
 SHARED_OPTIONS = dict(
-    dtype="float32", num_gpu_blocks=14, kv_offload_cpu_bytes=64 * 1024 * 1024,
+    dtype="float32", block_size=16, num_gpu_blocks=14, kv_offload_cpu_bytes=64 * 1024 * 1024,
     speculative_method="ngram", num_speculative_tokens=3,
 )
 CHOICES = ["The capital of France is Paris", "I do not know"]

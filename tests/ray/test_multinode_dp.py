@@ -21,7 +21,7 @@ from server.server_helpers import ServerProcess, running_server, scrape
 MODEL = "tiny"
 MAX_MODEL_LEN = 2048
 LONG_TOKENS = 1500  # about 10 s: the node dies, less than 3 s into them, before any ends
-# Over one KV block (16 tokens) each: the cache-aware router sends a prompt's twin where the
+# Over one KV block (16 tokens: the server's --block-size) each: the cache-aware router sends a prompt's twin where the
 # prompt runs, which it holds (pinned while the first is in flight).
 PROMPTS = [
     "Tell me a long story about a lighthouse keeper who finds a message in a bottle one stormy night.",
@@ -49,7 +49,7 @@ def server(cluster: NamespaceCluster, model: str, tmp_path_factory) -> Iterator[
     with running_server(
         tmp_path_factory.mktemp("server-logs"), "--model", model, "--served-model-name", MODEL, "--dtype", "float32",
         "--executor", "ray", "--ray-address", cluster.address,
-        "--data-parallel-size", "2", "--worker-timeout-s", "5",
+        "--data-parallel-size", "2", "--worker-timeout-s", "5", "--block-size", "16",
     ) as server:
         yield server
     wait_until_none_left(rank_workers)
