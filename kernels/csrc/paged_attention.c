@@ -508,9 +508,9 @@ static inline __attribute__((always_inline)) void load_positions(
  * by weight[x], for `n` query rows of one KV head: position by position, each value row widened
  * once for all n rows, the n * chunks sums in registers. Each lane takes the same multiply-adds
  * in the same order as add_values, so the bits are the same (positions past `len`, which
- * add_values adds as zero weights times zero rows, are skipped). At each position p, the row
- * of the same KV head at position p of `fetch_keys` and of `fetch_values` (NULL: none) is
- * prefetched into L2. */
+ * add_values adds as zero weights times zero rows, are skipped). At each position p, the p-th
+ * row-sized run of bytes from `fetch_keys` and from `fetch_values` (NULL: none) is prefetched
+ * into L2. */
 static inline __attribute__((always_inline)) void add_value_rows(
     const char *rows, int64_t position_bytes, int len, int dtype, const int n, const int chunks,
     const float weight[][LANES], vfloat acc[][chunks], const char *fetch_keys, const char *fetch_values)
@@ -523,8 +523,8 @@ static inline __attribute__((always_inline)) void add_value_rows(
         for (int c = 0; c < chunks; c++) sum[x * chunks + c] = acc[x][c];
     for (int p = 0; p < len; p++) {
         for (int64_t line = 0; fetch_keys && line < chunks * chunk_bytes; line += 64) {
-            __builtin_prefetch(fetch_keys + p * position_bytes + line, 0, 1);
-            __builtin_prefetch(fetch_values + p * position_bytes + line, 0, 1);
+            __builtin_prefetch(fetch_keys + p * chunks * chunk_bytes + line, 0, 1);
+            __builtin_prefetch(fetch_values + p * chunks * chunk_bytes + line, 0, 1);
         }
         for (int c = 0; c < chunks; c++) row[c] = load_lanes(rows + p * position_bytes + c * chunk_bytes, dtype);
         for (int x = 0; x < n; x++)
@@ -538,10 +538,13 @@ static inline __attribute__((always_inline)) void add_value_rows(
  * weights[h], for every head h, up to four query rows of a KV head at a time with their sums in
  * registers, where add_values loads and stores each sum at every position (64 decode rows over
  * 352 positions with the cache in L2, Xeon-AMX: 580-620 -> 410-470 us a layer). With `ahead`
- * >= 0 the next tile (`ahead` bytes into the cache) is prefetched into L2, a KV head's rows at
- * a time, spread over the positions: fetched all at once into L1 (as load_positions does), the
- * prefetches queue behind each other, few L1 misses being in flight at a time (the same rows
- * from memory: 1,235-1,341 -> 1,166-1,280 us a layer). Only where the scores run on AMX: without
+ * >= 0 the next tile (`ahead` bytes into the cache) is prefetched into L2, spread over the
+ * positions: fetched all at once into L1 (as load_positions does), the prefetches queue behind
+ * each other, few L1 misses being in flight at a time (the same rows from memory: 1,235-1,341 ->
+ * 1,166-1,280 us a layer). The tile's bytes go front to back, each KV head's pass taking the
+ * next kv_heads-th of them: fetched a KV head's rows at a time (strided, three passes over the
+ * tile) the hardware's own streaming never joined in (64 rows over 336 positions in blocks of
+ * 64: 1,031-1,088 -> 961-1,006 us a layer, Xeon-AMX). Only where the scores run on AMX: without
  * it the walk has no prefetches to spread, and the values read a KV head at a time, strided,
  * came from memory 7-10% slower than position by position (Xeon-AMX with AVX512-BF16 alone). */
 static inline __attribute__((always_inline)) void add_decode_values(
@@ -556,8 +559,8 @@ static inline __attribute__((always_inline)) void add_decode_values(
     const int at_once = chunks <= 4 ? 4 : chunks <= 8 ? 2 : 1;
     for (int kv_head = 0; kv_head < kv_heads; kv_head++) {
         const char *head_rows = rows + kv_head * row_bytes;
-        const char *fetch_keys = ahead >= 0 ? b->keys + ahead + kv_head * row_bytes : NULL;
-        const char *fetch_values = ahead >= 0 ? b->values + ahead + kv_head * row_bytes : NULL;
+        const char *fetch_keys = ahead >= 0 ? b->keys + ahead + kv_head * LANES * row_bytes : NULL;
+        const char *fetch_values = ahead >= 0 ? b->values + ahead + kv_head * LANES * row_bytes : NULL;
         for (int x = kv_head * group; x < (kv_head + 1) * group; x += at_once) {
             const int first_rows = x == kv_head * group;
             const int rest = (kv_head + 1) * group - x;
