@@ -710,6 +710,11 @@ static inline __attribute__((always_inline)) void attend_decode_row(
         const int64_t ahead = next < to ? tile_offset(b, seq, 0, next, head_dim) * (int64_t)cache_item : -1;
 #if defined(AMX_TILES)
         if (b->amx) {
+            /* This tile's values (in L2 by now) into L1 while its scores multiply on tiles: the
+             * value rows' loads waited on L2 otherwise (64 x 336 positions: 923-945 -> 875-910 us
+             * a layer, 64 x 1,000: 2,453-2,466 -> 2,351-2,378; Xeon-AMX). */
+            for (int64_t line = 0; line < len * position_bytes; line += 64)
+                _mm_prefetch(b->values + offset + line, _MM_HINT_T0);
             for (int t = 0; t < column_tiles; t++) {
                 const int kv_first = t * kv_per_tile;
                 const int kv_count = kv_heads - kv_first < kv_per_tile ? kv_heads - kv_first : kv_per_tile;
