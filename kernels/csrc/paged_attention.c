@@ -541,12 +541,13 @@ static inline __attribute__((always_inline)) void add_value_rows(
  * >= 0 the next tile (`ahead` bytes into the cache) is prefetched into L2, spread over the
  * positions: fetched all at once into L1 (as load_positions does), the prefetches queue behind
  * each other, few L1 misses being in flight at a time (the same rows from memory: 1,235-1,341 ->
- * 1,166-1,280 us a layer). The tile's bytes go front to back, each KV head's pass taking the
- * next kv_heads-th of them: fetched a KV head's rows at a time (strided, three passes over the
- * tile) the hardware's own streaming never joined in (64 rows over 336 positions in blocks of
- * 64: 1,031-1,088 -> 961-1,006 us a layer, Xeon-AMX). Only where the scores run on AMX: without
- * it the walk has no prefetches to spread, and the values read a KV head at a time, strided,
- * came from memory 7-10% slower than position by position (Xeon-AMX with AVX512-BF16 alone). */
+ * 1,166-1,280 us a layer). Each KV head's pass over the values prefetches the next 1/kv_heads
+ * of the tile's bytes, so the tile is fetched front to back: fetched a KV head's rows at a time
+ * (strided, three passes over the tile) the hardware's own streaming never joined in (64 rows
+ * over 336 positions in blocks of 64: 1,031-1,088 -> 961-1,006 us a layer, Xeon-AMX). Only
+ * where the scores run on AMX: without it the walk has no prefetches to spread, and the values
+ * read a KV head at a time, strided, came from memory 7-10% slower than position by position
+ * (Xeon-AMX with AVX512-BF16 alone). */
 static inline __attribute__((always_inline)) void add_decode_values(
     const Batch *b, const char *rows, int len, int64_t ahead, const int chunks, const vfloat weights[],
     vfloat acc[][chunks])
