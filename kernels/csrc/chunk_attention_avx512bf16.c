@@ -153,13 +153,18 @@ static inline __attribute__((always_inline)) void attend_item(const Chunk *c, in
         end = visible[r] > end ? visible[r] : end;
     }
     for (int64_t tile = start / TILE * TILE; tile < end; tile += TILE) {
+        /* A pair of dims at a time for the whole tile: each query pair broadcast once for its
+         * TILE / SUB key vectors, and ITEM_ROWS x TILE / SUB sums in flight, where a SUB at a
+         * time kept ITEM_ROWS, each waiting on its last product. */
         __m512 scores[ITEM_ROWS][TILE / SUB];
-        for (int s = 0; s < TILE / SUB; s++) {
-            const uint16_t *key_tile = keys + (tile + s * SUB) * head_dim;
-            for (int r = 0; r < ITEM_ROWS; r++) scores[r][s] = _mm512_setzero_ps();
-            for (int j = 0; j < pairs; j++) {
-                const __m512bh k = (__m512bh)_mm512_loadu_si512(key_tile + j * SUB * 2);
-                for (int r = 0; r < ITEM_ROWS; r++) scores[r][s] = _mm512_dpbf16_ps(scores[r][s], k, pair_of(q[r] + 2 * j));
+        for (int r = 0; r < ITEM_ROWS; r++)
+            for (int s = 0; s < TILE / SUB; s++) scores[r][s] = _mm512_setzero_ps();
+        for (int j = 0; j < pairs; j++) {
+            __m512bh query_pair[ITEM_ROWS];
+            for (int r = 0; r < ITEM_ROWS; r++) query_pair[r] = pair_of(q[r] + 2 * j);
+            for (int s = 0; s < TILE / SUB; s++) {
+                const __m512bh k = (__m512bh)_mm512_loadu_si512(keys + (tile + s * SUB) * head_dim + j * SUB * 2);
+                for (int r = 0; r < ITEM_ROWS; r++) scores[r][s] = _mm512_dpbf16_ps(scores[r][s], k, query_pair[r]);
             }
         }
         uint16_t weights[ITEM_ROWS][TILE] __attribute__((aligned(64)));
