@@ -318,58 +318,38 @@ static __attribute__((optimize("fp-contract=off"))) void avx2_quantize_run(const
 #endif
 
 #if defined(__AVX512F__)
-/* Lane i: the 16 lanes of v[i] reduced by max (or by addition where `add`), all 16 at once in
- * four levels of shuffles, each halving the vectors and the lanes each one's part takes. */
-static inline __m512 reduce_16(const __m512 v[16], const int add)
-{
-#define COMBINE(a, b) (add ? _mm512_add_ps(a, b) : _mm512_max_ps(a, b))
-    __m512 halves[8], quarters[4], eighths[2];
-    for (int i = 0; i < 8; i++) /* lanes 0-7: v[2i]'s partial results, 8-15: v[2i + 1]'s */
-        halves[i] = COMBINE(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                            _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
-    for (int i = 0; i < 4; i++) /* 128-bit lane j: v[4i + j]'s */
-        quarters[i] = COMBINE(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
-                              _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xdd));
-    for (int i = 0; i < 2; i++) /* 128-bit lane j: two of v[8i + j]'s, then two of v[8i + 4 + j]'s */
-        eighths[i] = COMBINE((__m512)_mm512_unpacklo_pd((__m512d)quarters[2 * i], (__m512d)quarters[2 * i + 1]),
-                             (__m512)_mm512_unpackhi_pd((__m512d)quarters[2 * i], (__m512d)quarters[2 * i + 1]));
-    /* lane 4j + i: v[4i + j]'s result */
-    const __m512 transposed = COMBINE(_mm512_shuffle_ps(eighths[0], eighths[1], 0x88),
-                                      _mm512_shuffle_ps(eighths[0], eighths[1], 0xdd));
-#undef COMBINE
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), transposed);
-}
-
 /* quantize_row's runs for AVX-512, `count` (up to 16) runs of the values of `dtype` at `src`:
- * the runs' largest magnitudes and their halves' sums reduced 16 runs at once (reduce_16), where
+ * the runs' largest magnitudes and their halves' sums reduced 16 runs at once (reduce_each), where
  * reducing each run's vectors alone, and converting them through the stack, took most of the
  * quantization's time. The same values as quantize_row's portable code, bit for bit. */
 static __attribute__((optimize("fp-contract=off"))) void avx512_quantize_runs(
     const char *src, int dtype, int count, struct QuantizedRun *runs)
 {
     const size_t half_bytes = LANES * dtype_size(dtype);
-    __m512 largest[LANES], sums[2][LANES];
+    vfloat largest[LANES], sums[2][LANES];
     for (int r = 0; r < LANES; r++) {
-        largest[r] = _mm512_setzero_ps();
+        __m512 magnitude = _mm512_setzero_ps();
         for (int h = 0; r < count && h < 2; h++)
-            largest[r] = _mm512_max_ps(largest[r], _mm512_abs_ps((__m512)load_lanes(src + (2 * r + h) * half_bytes, dtype)));
+            magnitude = _mm512_max_ps(magnitude, _mm512_abs_ps((__m512)load_lanes(src + (2 * r + h) * half_bytes, dtype)));
+        largest[r] = (vfloat)magnitude;
     }
-    const __m512 amax = reduce_16(largest, 0), d = _mm512_div_ps(amax, _mm512_set1_ps(32767.f));
+    const __m512 amax = (__m512)reduce_each(largest, 1), d = _mm512_div_ps(amax, _mm512_set1_ps(32767.f));
     const __m512 inverse = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ),
                                                _mm512_set1_ps(32767.f), amax);
     const __m512 magic = _mm512_set1_ps(12582912.f);
     for (int r = 0; r < LANES; r++)
         for (int h = 0; h < 2; h++) {
-            sums[h][r] = _mm512_setzero_ps();
+            sums[h][r] = (vfloat){0};
             if (r >= count) continue;
             const __m512 scaled = _mm512_mul_ps((__m512)load_lanes(src + (2 * r + h) * half_bytes, dtype),
                                                 _mm512_permutexvar_ps(_mm512_set1_epi32(r), inverse));
-            sums[h][r] = _mm512_sub_ps(_mm512_add_ps(scaled, magic), magic);
-            const __m256i q = _mm512_cvtepi32_epi16(_mm512_cvttps_epi32(sums[h][r]));
+            const __m512 rounded = _mm512_sub_ps(_mm512_add_ps(scaled, magic), magic);
+            sums[h][r] = (vfloat)rounded;
+            const __m256i q = _mm512_cvtepi32_epi16(_mm512_cvttps_epi32(rounded));
             memcpy(&runs[r].q[h], &q, sizeof q);
         }
     float ds[LANES], scaled_sums[2][LANES], scaled_totals[LANES];
-    const __m512 first = reduce_16(sums[0], 1), second = reduce_16(sums[1], 1);
+    const __m512 first = (__m512)sum_each(sums[0]), second = (__m512)sum_each(sums[1]);
     _mm512_storeu_ps(ds, d);
     _mm512_storeu_ps(scaled_sums[0], _mm512_mul_ps(d, first));
     _mm512_storeu_ps(scaled_sums[1], _mm512_mul_ps(d, second));

@@ -68,29 +68,6 @@ static inline int window_start(const Batch *b, int visible)
     return b->sliding_window && visible > b->sliding_window ? visible - b->sliding_window : 0;
 }
 
-/* Pairwise step of the shuffle tree: `a` and `b` each hold 16 / width groups of `width` lanes,
- * one group per position, whose sum is that position's dot product. Returns groups of half
- * the width with the same sums: a's positions first, then b's. */
-static inline vfloat fold(vfloat a, vfloat b, int width)
-{
-    static const vint low[] = {
-        [8] = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-        [4] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
-        [2] = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
-        [1] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
-    };
-    const int half = width / 2;
-    return __builtin_shuffle(a, b, low[half]) + __builtin_shuffle(a, b, low[half] + half);
-}
-
-/* lanes[p] = the sum of the lanes of partial[p], for the 16 positions p. */
-static inline vfloat sum_each(vfloat partial[LANES])
-{
-    for (int width = LANES, count = LANES; width > 1; width /= 2, count /= 2)
-        for (int i = 0; i < count / 2; i++) partial[i] = fold(partial[2 * i], partial[2 * i + 1], width);
-    return partial[0];
-}
-
 #if defined(VECTORS_ARE_AVX2_PAIRS)
 /* ---- Tiles in AVX2's own registers -----------------------------------------------------------
  * Where the 16-lane vectors are pairs of AVX2 registers, GCC builds their broadcasts and

@@ -374,6 +374,35 @@ static inline vfloat max_lanes(vfloat a, vfloat b)
 #endif
 }
 
+/* Pairwise step of the shuffle trees below: `a` and `b` each hold 16 / width groups of `width`
+ * lanes, one group per vector being reduced. Returns groups of half the width, a's vectors first,
+ * then b's, each lane the sum (or with `take_max`, the larger) of two lanes of its group. */
+static inline vfloat fold(vfloat a, vfloat b, int width, const int take_max)
+{
+    static const vint low[] = {
+        [8] = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+        [4] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+        [2] = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+        [1] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+    };
+    const int half = width / 2;
+    const vfloat first = __builtin_shuffle(a, b, low[half]), second = __builtin_shuffle(a, b, low[half] + half);
+    return take_max ? max_lanes(first, second) : first + second;
+}
+
+/* Lane i = the sum (or with `take_max`, the largest) of the lanes of v[i], for 16 vectors at
+ * once: four levels of fold, where reducing each vector alone takes four dependent steps per
+ * vector. `v` is overwritten. */
+static inline vfloat reduce_each(vfloat v[LANES], const int take_max)
+{
+    for (int width = LANES, count = LANES; width > 1; width /= 2, count /= 2)
+        for (int i = 0; i < count / 2; i++) v[i] = fold(v[2 * i], v[2 * i + 1], width, take_max);
+    return v[0];
+}
+
+/* lanes[p] = the sum of the lanes of partial[p], for the 16 positions p. */
+static inline vfloat sum_each(vfloat partial[LANES]) { return reduce_each(partial, 0); }
+
 static inline float max_of_lanes(vfloat v)
 {
 #if defined(VECTORS_ARE_AVX2_PAIRS)
