@@ -22,9 +22,9 @@
  *   tokens' rows share each read). Where the next tile's block does not follow this one's in
  *   memory, its rows are prefetched meanwhile.
  * With bfloat16 queries and cache on a CPU with AMX, a tile's q.k products run on AMX tiles
- * instead (amx_dot_tile, below), a decode walk prefetches each next tile (64 decode rows over
- * 400 positions 13% faster on Xeon-AMX, workload A 6%), and weights its value rows with the sums
- * in registers (add_decode_values).
+ * instead (amx_dot_tile, below). A decode walk (in every build but AVX2's) prefetches each next
+ * tile (64 decode rows over 400 positions 13% faster on Xeon-AMX, workload A 6%) and weights its
+ * value rows with the sums in registers (add_decode_values).
  * Where the 16-lane vectors are pairs of AVX2 registers, tiles are scored and weighted in AVX2's
  * own registers instead (avx2_dot_rows and the functions beside it).
  * Every walk restarts its online softmax at each multiple of SEGMENT positions and joins the
@@ -480,7 +480,7 @@ static inline __attribute__((always_inline)) void load_positions(
     }
 }
 
-#if defined(AMX_TILES)
+#if !defined(VECTORS_ARE_AVX2_PAIRS)
 /* acc[x] += the value rows of the `len` positions from `rows` (`position_bytes` apart) weighted
  * by weight[x], for `n` query rows of one KV head: position by position, each value row widened
  * once for all n rows, the n * chunks sums in registers. Each lane takes the same multiply-adds
@@ -521,10 +521,12 @@ static inline __attribute__((always_inline)) void add_value_rows(
  * 1,166-1,280 us a layer). Each KV head's pass over the values prefetches the next 1/kv_heads
  * of the tile's bytes, so the tile is fetched front to back: fetched a KV head's rows at a time
  * (strided, three passes over the tile) the hardware's own streaming never joined in (64 rows
- * over 336 positions in blocks of 64: 1,031-1,088 -> 961-1,006 us a layer, Xeon-AMX). Only
- * where the scores run on AMX: without it the walk has no prefetches to spread, and the values
- * read a KV head at a time, strided, came from memory 7-10% slower than position by position
- * (Xeon-AMX with AVX512-BF16 alone). */
+ * over 336 positions in blocks of 64: 1,031-1,088 -> 961-1,006 us a layer, Xeon-AMX). Every
+ * build but AVX2's weighs a decode row's values so, with or without AMX: on EPYC-Zen4 (AVX512-BF16,
+ * no AMX) 64 rows over 336 positions take 826-840 us a layer against 1,009-1,092 with the values
+ * widened into a tile and added by add_values, and 4 rows over 3,064 positions 451 against 584;
+ * without the prefetches it was slower from memory (1,234-1,262 us), as on Xeon-AMX with AVX512-BF16
+ * alone, where the values read a KV head at a time came 7-10% slower than position by position. */
 static inline __attribute__((always_inline)) void add_decode_values(
     const Batch *b, const char *rows, int len, int64_t ahead, const int chunks, const vfloat weights[],
     vfloat acc[][chunks])
@@ -680,9 +682,10 @@ static inline __attribute__((always_inline)) void attend_decode_row(
         const int len = to - tile < LANES ? to - tile : LANES;
         const int64_t offset = tile_offset(b, seq, 0, tile, head_dim) * cache_item;
         /* Where the next tile's block does not follow this one's, its rows are fetched as this
-         * tile's keys are loaded. With scores on AMX every next tile's rows are fetched, as this
-         * tile's values are loaded: there the walk reads 12-20% faster for it (Xeon-AMX), and
-         * only Intel CPUs have AMX (on EPYC-Zen4 prefetching a contiguous walk cost 11-15%). */
+         * tile's keys are loaded. Outside AVX2 builds every next tile's rows are fetched into L2
+         * as this tile's values are loaded (add_decode_values): the walk reads 12-20% faster for
+         * it on Xeon-AMX and 20-23% on EPYC-Zen4. (In AVX2 builds, on EPYC-AVX2, prefetching a
+         * contiguous walk cost more than it saved.) */
         const int next = tile + LANES, next_block = next / b->block_size, this_block = tile / b->block_size;
         const int jump = next < to && next_block != this_block && blocks[next_block] != blocks[this_block] + 1;
         const int64_t ahead = next < to ? tile_offset(b, seq, 0, next, head_dim) * (int64_t)cache_item : -1;
@@ -718,20 +721,10 @@ static inline __attribute__((always_inline)) void attend_decode_row(
             softmax_tile(tile, group, chunks, visible, first, scores + h, running_max + h, lane_sums + h, acc + h,
                          weights + h);
         }
-#if defined(AMX_TILES)
-        if (b->amx) {
-            add_decode_values(b, b->values + offset, len, ahead, chunks, weights, acc);
-            continue;
-        }
-#endif
 #if defined(VECTORS_ARE_AVX2_PAIRS)
         avx2_decode_values(b, b->values + offset, len, chunks, weights, acc, widened);
 #else
-        load_positions(b, b->values + offset, len, -1, chunks, tile_rows);
-        for (int kv_head = 0; kv_head < kv_heads; kv_head++) {
-            const int h = kv_head * group;
-            add_values(tile, group, chunks, visible, first, tile_rows[kv_head], weights + h, acc + h);
-        }
+        add_decode_values(b, b->values + offset, len, ahead, chunks, weights, acc);
 #endif
     }
     close_segment(heads, chunks, running_max, lane_sums, acc, total_max, total_denominator, total_acc);
