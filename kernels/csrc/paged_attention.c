@@ -522,10 +522,10 @@ static inline __attribute__((always_inline)) void add_value_rows(
  * of the tile's bytes, so the tile is fetched front to back: fetched a KV head's rows at a time
  * (strided, three passes over the tile) the hardware's own streaming never joined in (64 rows
  * over 336 positions in blocks of 64: 1,031-1,088 -> 961-1,006 us a layer, Xeon-AMX). Every
- * build but AVX2's weighs a decode row's values so, with or without AMX: on EPYC-Zen4 (AVX512-BF16,
- * no AMX) 64 rows over 336 positions take 826-840 us a layer against 1,009-1,092 with the values
- * widened into a tile and added by add_values, and 4 rows over 3,064 positions 451 against 584;
- * without the prefetches it was slower from memory (1,234-1,262 us), as on Xeon-AMX with AVX512-BF16
+ * build but AVX2's weighs a decode row's values so, with or without AMX: on EPYC-Zen4
+ * (AVX512-BF16, no AMX) 64 rows over 336 positions take 854-870 us a layer against 1,106-1,116
+ * with the values widened into a tile and added by add_values (alternated). Without the
+ * prefetches it was slower from memory there (1,234-1,262 us), as on Xeon-AMX with AVX512-BF16
  * alone, where the values read a KV head at a time came 7-10% slower than position by position. */
 static inline __attribute__((always_inline)) void add_decode_values(
     const Batch *b, const char *rows, int len, int64_t ahead, const int chunks, const vfloat weights[],
@@ -684,8 +684,8 @@ static inline __attribute__((always_inline)) void attend_decode_row(
         /* Where the next tile's block does not follow this one's, its rows are fetched as this
          * tile's keys are loaded. Outside AVX2 builds every next tile's rows are fetched into L2
          * as this tile's values are loaded (add_decode_values): the walk reads 12-20% faster for
-         * it on Xeon-AMX and 20-23% on EPYC-Zen4. (In AVX2 builds, on EPYC-AVX2, prefetching a
-         * contiguous walk cost more than it saved.) */
+         * it on Xeon-AMX and 22-30% on EPYC-Zen4. AVX2 builds keep to the jumps: their own walk
+         * has not been measured with it on an AVX2-only CPU. */
         const int next = tile + LANES, next_block = next / b->block_size, this_block = tile / b->block_size;
         const int jump = next < to && next_block != this_block && blocks[next_block] != blocks[this_block] + 1;
         const int64_t ahead = next < to ? tile_offset(b, seq, 0, next, head_dim) * (int64_t)cache_item : -1;
