@@ -189,7 +189,13 @@ class SyncDPClient:
                     self._ready.append(self._fail(replica, str(error)))
                     continue
                 if outputs is not None:
+                    fault = next((f.message for f in outputs.finished if f.engine_fault), None)
                     self.replicas.on_outputs(replica, outputs)
+                    if fault is not None:
+                        # The replica's engine failed its requests because it is stopping; its
+                        # EngineDead follows, but a caller whose last request this finished would
+                        # not read it: out of routing now.
+                        self._ready.append(self._fail(replica, fault or "its engine stopped"))
                     return outputs
 
     def _fail(self, replica: int, reason: str) -> EngineCoreOutputs:
