@@ -24,6 +24,7 @@ INTERLEAVED, INTERLEAVED_ROWS = 0x100, 16
 _INTERLEAVABLE_BLOCK_BYTES = {TYPES["Q4_0"]: 18, TYPES["Q4_1"]: 20, TYPES["Q8_0"]: 34}  # blocks of 32 values
 
 _BODIES = {
+    5: "AVX512-BF16 products (vdpbf16ps) from the rows measured faster, AVX512-VNNI int16 dot products otherwise",
     4: "AMX bfloat16 tiles from 16 bfloat16 rows, AVX512-VNNI int16 dot products otherwise",
     2: "AVX512-VNNI int16 dot products",
     3: "AVX-512 int16 dot products (no VNNI)",
@@ -42,6 +43,7 @@ class MatrixStruct(ctypes.Structure):
         ("types", ctypes.c_int32 * MAX_PARTS),
         ("rows", ctypes.c_int64 * MAX_PARTS),
         ("data", ctypes.c_void_p * MAX_PARTS),
+        ("bfloat16_dot_rows", ctypes.c_int64),
     ]
 
 
@@ -78,10 +80,15 @@ def interleaved(part: QuantizedPart) -> QuantizedPart:
 
 @dataclass
 class QuantizedMatrix:
-    """A weight ``[out_features, in_features]`` stored as ``parts`` stacked by rows."""
+    """A weight ``[out_features, in_features]`` stored as ``parts`` stacked by rows.
+
+    ``bfloat16_dot_rows``: steps of at least this many bfloat16 rows multiply its interleaved parts
+    by AVX512-BF16 products on the blocks dequantized to bfloat16 (0: never), where the CPU has
+    that body (``bfloat16_dot_products``); measured at start (``worker/cpu_linear_plan.py``)."""
 
     parts: list[QuantizedPart]
     in_features: int
+    bfloat16_dot_rows: int = 0
     struct: MatrixStruct = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -98,7 +105,12 @@ class QuantizedMatrix:
             (ctypes.c_int32 * MAX_PARTS)(*[part.type for part in self.parts]),
             (ctypes.c_int64 * MAX_PARTS)(*[part.rows for part in self.parts]),
             (ctypes.c_void_p * MAX_PARTS)(*[part.data.data_ptr() for part in self.parts]),
+            self.bfloat16_dot_rows,
         )
+
+    def set_bfloat16_dot_rows(self, rows: int) -> None:
+        """Steps of at least ``rows`` bfloat16 rows (0: none) multiply by AVX512-BF16 products."""
+        self.bfloat16_dot_rows = self.struct.bfloat16_dot_rows = rows
 
     def rebind(self) -> None:
         """Point ``struct`` at the parts' data where it lies now, after it moved (``Tensor.set_``)."""
@@ -123,6 +135,12 @@ def supports(ggml_type: int, in_features: int) -> bool:
 def body() -> str:
     """Which byte dot product this CPU's build runs (for the log)."""
     return _BODIES[native.load_library().gguf_linear_body()]
+
+
+def bfloat16_dot_products() -> bool:
+    """Whether this CPU's build can multiply interleaved parts by AVX512-BF16 products
+    (``QuantizedMatrix.bfloat16_dot_rows``): AVX512-BF16 without AMX tiles granted."""
+    return native.load_library().gguf_linear_body() == 5
 
 
 def linear(

@@ -30,7 +30,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,7 @@ from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowPar
 
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32)
 QUANTIZED_CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+DOT_CANDIDATE_ROWS = (8, 16, 24, 32, 48, 64, 128, 256)  # where the int16 kernel meets vdpbf16ps
 SAMPLE_FEATURES = 1024  # output features of the timed slice: the per-weight cost, in a few ms
 TIMED_REPEATS = 5
 
@@ -180,20 +181,35 @@ class QuantizedLinearPlan:
     """Up to how many rows a step multiplies GGUF blocks as stored, by block type
     (``block_rows``: ggml type code -> rows); larger steps dequantize the weight for the step and
     run the GEMM in the activations' dtype. Types differ: a Q8_0 head decodes cheaply in the block
-    kernel but costs more to dequantize than a Q4 linear, so its crossover lies further out."""
+    kernel but costs more to dequantize than a Q4 linear, so its crossover lies further out.
+    ``dot_rows`` (type -> rows, 0: never; types absent: never) is where the block kernel turns
+    from int16 dot products to AVX512-BF16 ones, on CPUs that have both
+    (``QuantizedMatrix.bfloat16_dot_rows``)."""
 
     block_rows: dict[int, int]
     dtype: torch.dtype
     reason: str
+    dot_rows: dict[int, int] = field(default_factory=dict)
 
     def rows_for(self, matrix: gguf_linear.QuantizedMatrix) -> int:
         """The rows up to which ``matrix`` multiplies its blocks: its parts' smallest crossover."""
         return min(self.block_rows[part.base_type] for part in matrix.parts)
 
+    def dot_rows_for(self, matrix: gguf_linear.QuantizedMatrix) -> int:
+        """The rows from which ``matrix`` multiplies by AVX512-BF16 products: its parts' largest
+        crossover, or 0 (never) where some part's type never does."""
+        rows = [self.dot_rows.get(part.base_type, 0) for part in matrix.parts]
+        return 0 if 0 in rows else max(rows)
+
     def describe(self) -> str:
         rows = ", ".join(f"{rows} ({gguf_linear.TYPE_NAMES[code]})" for code, rows in self.block_rows.items())
+        dots = ", ".join(f"{rows or 'never'} ({gguf_linear.TYPE_NAMES[code]})" for code, rows in self.dot_rows.items())
         gemm = f"dequantize each weight for the step and run the {str(self.dtype).removeprefix('torch.')} GEMM"
-        return f"steps of at most {rows} rows multiply the blocks ({gguf_linear.body()}), larger ones {gemm} ({self.reason})"
+        products = f"; AVX512-BF16 products from {dots} rows" if dots else ""
+        return (
+            f"steps of at most {rows} rows multiply the blocks ({gguf_linear.body()}{products}), "
+            f"larger ones {gemm} ({self.reason})"
+        )
 
 
 def plan_quantized_linears(model: nn.Module, dtype: torch.dtype, tp: TensorParallel) -> QuantizedLinearPlan | None:
@@ -210,10 +226,15 @@ def plan_quantized_linears(model: nn.Module, dtype: torch.dtype, tp: TensorParal
                     largest[part.base_type] = (part, module.quantized.matrix.in_features)
     if not largest:
         return None
-    block_rows, measured = {}, []
+    block_rows, dot_rows, measured = {}, {}, []
     for code, (part, in_features) in sorted(largest.items()):
         slice_ = gguf_linear.QuantizedPart(part.data[:SAMPLE_FEATURES].contiguous(), part.type)
-        sample = gguf_linear.QuantizedMatrix([slice_], in_features)
+        if dtype == torch.bfloat16 and part.type & gguf_linear.INTERLEAVED and gguf_linear.bfloat16_dot_products():
+            dot_rows[code], dot_timings = _dot_crossover(slice_, in_features, tp)
+            measured.append(f"{gguf_linear.TYPE_NAMES[code]} int16/AVX512-BF16 products by rows: " + ", ".join(
+                f"{rows}: {int16 * 1e6:.0f}/{dot * 1e6:.0f}" for rows, int16, dot in dot_timings
+            ))
+        sample = gguf_linear.QuantizedMatrix([slice_], in_features, dot_rows.get(code, 0))
         crossover, timings = _measured_once(
             ("gguf blocks", part.type, tuple(slice_.data.shape), in_features, dtype),
             tp,
@@ -233,7 +254,31 @@ def plan_quantized_linears(model: nn.Module, dtype: torch.dtype, tp: TensorParal
         measured.append(f"{gguf_linear.TYPE_NAMES[code]} {shape}: " + ", ".join(
             f"{rows}: {small * 1e6:.0f}/{large * 1e6:.0f}" for rows, small, large in timings
         ))
-    return QuantizedLinearPlan(block_rows, dtype, "us blocks/dequantize+GEMM by rows on " + "; ".join(measured))
+    return QuantizedLinearPlan(block_rows, dtype, "us blocks/dequantize+GEMM by rows on " + "; ".join(measured), dot_rows)
+
+
+def _dot_crossover(part: gguf_linear.QuantizedPart, in_features: int, tp: TensorParallel) -> tuple[int, list]:
+    """The rows from which the block kernel multiplies the interleaved ``part`` faster by
+    AVX512-BF16 products than by int16 ones (0: at none of ``DOT_CANDIDATE_ROWS``), with the
+    (rows, int16 s, AVX512-BF16 s) timings. The crossover depends on the CPU: how fast it issues
+    vdpbf16ps beside the int16 kernel's instructions."""
+    int16 = gguf_linear.QuantizedMatrix([part], in_features)
+    dot = gguf_linear.QuantizedMatrix([part], in_features, bfloat16_dot_rows=1)
+    crossover, timings = _measured_once(
+        ("gguf bfloat16 products", part.type, tuple(part.data.shape), in_features),
+        tp,
+        lambda: _crossover(
+            DOT_CANDIDATE_ROWS,
+            in_features,
+            torch.bfloat16,
+            lambda x: gguf_linear.linear(x, int16),
+            lambda x: gguf_linear.linear(x, dot),
+            tp,
+        ),
+    )
+    if crossover == DOT_CANDIDATE_ROWS[-1]:
+        return 0, timings
+    return max(crossover + 1, DOT_CANDIDATE_ROWS[0]), timings
 
 
 def apply_quantized_linear_plan(model: nn.Module, plan: QuantizedLinearPlan) -> None:
@@ -245,6 +290,7 @@ def apply_quantized_linear_plan(model: nn.Module, plan: QuantizedLinearPlan) -> 
         quantized = getattr(module, "quantized", None)
         if isinstance(module, PlannedLinear) and quantized is not None:
             quantized.max_rows = plan.rows_for(quantized.matrix)
+            quantized.matrix.set_bfloat16_dot_rows(plan.dot_rows_for(quantized.matrix))
             if not isinstance(module, ParallelLMHead):
                 layer_rows.append(quantized.max_rows)
     if layer_rows:

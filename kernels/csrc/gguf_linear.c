@@ -245,6 +245,9 @@ int gguf_linear_body(void)
 #if defined(AMX_TILES) && defined(__AVX512BF16__)
     if (amx_permitted()) return 4;
 #endif
+#if defined(__AVX512BF16__)
+    return 5;
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return 2;
 #elif defined(__AVX512BW__)
@@ -891,28 +894,25 @@ static void dequantize_interleaved(int base, const uint8_t *data, int64_t rows, 
 }
 #endif
 
-/* ---- Q4_0, Q4_1 and Q8_0 interleaved rows on AMX tiles (bfloat16 activations) -------------
- * Where the CPU has AMX, a step of at least AMX_MIN_ROWS bfloat16 rows multiplies on tiles:
- * each group's run is dequantized to bfloat16 (exactly gguf_dequantize's values, rounded as
- * torch rounds) straight into the layout a tile multiply takes its second operand in, which is
- * the interleaved layout's own (lane l of pair p: row l's values 2p and 2p + 1), and
- * tdpbf16ps multiplies 16 activation rows by the group's 16 rows over the run's 32 values in
- * one instruction, summing in float32. The activations are used as they are, so a step computes
- * what the GEMM on the dequantized bfloat16 weights computes, without a bfloat16 copy of the
- * weights: where the int16 kernel does 32 products an instruction, a tile does 8,192. */
-#if defined(AMX_TILES) && defined(__AVX512BF16__)
-/* Below this many rows the int16 kernel is faster: a tile's 16 rows are mostly padding, and the
- * dequantization is paid per group whatever the rows. */
-enum { AMX_MIN_ROWS = 16, AMX_PANEL_BYTES = 1024 * 1024 };
-/* Two groups' outputs for two tiles of activation rows at a time: tile 2s + j sums tile s of the
- * activations (in ACTIVATIONS_s) times group j's weights (in WEIGHTS_j). Each tile loaded serves
- * two multiplies; with one group at a time, every multiply loaded its activations afresh from
- * L2, as fast as L2 delivers them. (Macros, not constants: the intrinsics paste the tile's
- * number into the assembly.) */
-#define ACTIVATIONS_0 4
-#define ACTIVATIONS_1 5
-#define WEIGHTS_0 6
-#define WEIGHTS_1 7
+/* ---- Q4_0, Q4_1 and Q8_0 interleaved rows times bfloat16 activations ------------------------
+ * Where the CPU has AVX512-BF16, a step of enough bfloat16 rows multiplies each group's runs
+ * dequantized to bfloat16 (exactly gguf_dequantize's values, rounded as torch rounds) straight
+ * into the layout both bfloat16 products take their weights in, which is the interleaved
+ * layout's own (lane l of pair p: row l's values 2p and 2p + 1). With AMX, tdpbf16ps multiplies
+ * 16 activation rows by the group's 16 rows over a run's 32 values in one instruction; without,
+ * vdpbf16ps multiplies one activation row's pair of values (broadcast) by the group's 16 rows'
+ * pairs. Either sums in float32 and uses the activations as they are, so a step computes what the
+ * GEMM on the dequantized bfloat16 weights computes, without a bfloat16 copy of the weights.
+ * Where the int16 kernel spends, per run and activation row, a conversion and two multiply-adds
+ * beside its products to apply the run's scales, here the scales are applied once per run and
+ * group whatever the rows. */
+#if defined(__AVX512BF16__)
+/* Below this many rows the int16 kernel is faster than tiles: the dequantization is paid per group
+ * whatever the rows, and a tile's 16 rows are mostly padding. vdpbf16ps's crossover is the
+ * matrix's own (bfloat16_dot_rows): it depends on how fast the CPU issues vdpbf16ps beside the
+ * int16 kernel's instructions (EPYC-Zen4, the default model's 30 layers' linears from memory:
+ * 0.97x the int16 kernel's speed at 32 rows, 1.15x at 64, 1.24x at 128). */
+enum { AMX_MIN_ROWS = 16, BF16_PANEL_BYTES = 1024 * 1024 };
 
 /* 32 bfloat16 of pair p: lanes 2l and 2l + 1 the values of `even` and `odd` at lane l. */
 static inline __m512i interleave_bfloat16(__m512 even, __m512 odd)
@@ -924,23 +924,22 @@ static inline __m512i interleave_bfloat16(__m512 even, __m512 odd)
     return _mm512_permutexvar_epi16(order, joined);
 }
 
-/* Run k of a group as bfloat16, a tile (pair p at tile + 32 p). */
-static void dequantize_run(int base, const uint8_t *run, uint16_t *tile)
+/* Run k of a group as bfloat16 (pair p at weights + 32 p). */
+static void dequantize_run(int base, const uint8_t *run, uint16_t *weights)
 {
     const struct RunScales scales = run_scales(base, run);
     for (int p = 0; p < RUN / 2; p++) {
         __m512 even, odd;
         interleaved_pair_values(base, run, scales, p, &even, &odd);
-        _mm512_storeu_si512(tile + p * 32, interleave_bfloat16(even, odd));
+        _mm512_storeu_si512(weights + p * 32, interleave_bfloat16(even, odd));
     }
 }
 
-/* The one or two groups a thread dequantizes next, run by run, while its tiles multiply the
- * groups before them: the dequantization and the products then overlap, where one after the
- * other they took 9.3 and 6.4 ms of a 64-row step's 16.8 (the default model's 30 layers'
- * linears, Xeon-AMX; overlapped 14.0, and 12.9-14.2 with each run's bytes prefetched
- * GROUP_PREFETCH_BYTES ahead, which made 16 rows 17-19% faster). Group j's run k goes to
- * weights[j] + k RUN GROUP. */
+/* The one or two groups a thread dequantizes next, run by run, while it multiplies the groups
+ * before them: the dequantization and the products then overlap, where one after the other they
+ * took 9.3 and 6.4 ms of a 64-row step's 16.8 (the default model's 30 layers' linears,
+ * Xeon-AMX; overlapped 14.0, and 12.9-14.2 with each run's bytes prefetched GROUP_PREFETCH_BYTES
+ * ahead, which made 16 rows 17-19% faster). Group j's run k goes to weights[j] + k RUN GROUP. */
 struct PendingGroups {
     const uint8_t *group[2];
     int base[2], count;
@@ -980,17 +979,61 @@ static inline void dequantize_pending(struct PendingGroups *pending, int64_t tar
     }
 }
 
+/* The outputs of `count` activation rows from one or two groups (sums[r][j]: row r's 16 sums of
+ * group j), each group's plus its `bias` (or none where NULL): a row's 16 outputs of group j go
+ * to out + r out_stride + j GROUP; with `swiglu` (a pair: a gate's group and its up's) their
+ * silu(gate) * up goes to out + r out_stride instead. */
+static void store_group_rows(const float sums[][2][GROUP], int64_t count, int pair, const float *const bias[2],
+                             int swiglu, char *out, int64_t out_stride, int out_dtype)
+{
+    const size_t item = dtype_size(out_dtype);
+    vfloat group_bias[2] = {{0}, {0}};
+    for (int j = 0; j <= pair; j++)
+        if (bias[j]) memcpy(&group_bias[j], bias[j], sizeof group_bias[j]);
+    for (int64_t r = 0; r < count; r++) {
+        vfloat lanes[2];
+        memcpy(lanes, sums[r], sizeof lanes);
+        /* The SwiGLU here saves the gate_up output's round trip through memory and a pass over it
+         * (2,048 rows: 12.6 MB of bfloat16 written, then read back), rounded as that pass rounds. */
+        if (swiglu) {
+            const vfloat activated = swiglu_lanes(round_lanes(lanes[0] + group_bias[0], out_dtype),
+                                                  round_lanes(lanes[1] + group_bias[1], out_dtype), out_dtype);
+            store_lanes(activated, out_dtype, out + r * out_stride * item);
+            continue;
+        }
+        for (int j = 0; j <= pair; j++) {
+            char *to = out + (r * out_stride + j * GROUP) * item;
+            /* float32 outputs (the LM head's logits: 12.6 MB for 64 rows of SmolLM2) go around
+             * the caches: each row gets 64 bytes at a time, too scattered for the write-allocate
+             * reads to be hidden (64 rows 5.1-5.5 -> 3.8-4.1 ms, workload A +2%, Xeon-AMX). */
+            if (out_dtype == DTYPE_FLOAT32 && ((uintptr_t)to & 63) == 0)
+                _mm512_stream_ps((float *)to, (__m512)(lanes[j] + group_bias[j]));
+            else
+                store_lanes(lanes[j] + group_bias[j], out_dtype, to);
+        }
+    }
+}
+
+#if defined(AMX_TILES)
+/* Two groups' outputs for two tiles of activation rows at a time: tile 2s + j sums tile s of the
+ * activations (in ACTIVATIONS_s) times group j's weights (in WEIGHTS_j). Each tile loaded serves
+ * two multiplies; with one group at a time, every multiply loaded its activations afresh from
+ * L2, as fast as L2 delivers them. (Macros, not constants: the intrinsics paste the tile's
+ * number into the assembly.) */
+#define ACTIVATIONS_0 4
+#define ACTIVATIONS_1 5
+#define WEIGHTS_0 6
+#define WEIGHTS_1 7
+
 /* Outputs of one or two groups (their `runs` runs dequantized at weights[0] and, with `pair`,
  * weights[1]) for activation rows [row, row + rows) of x (bfloat16, `stride` values apart; the
- * tile from `whole_rows` on comes from `tail`, TILE_ROWS rows padded with zeros), each group's
- * plus its `bias` (or none where NULL). A row's 16 outputs of group j go to out + j GROUP; with
- * `swiglu` (a pair: a gate's group and its up's) their silu(gate) * up goes to out instead.
- * Unless `pending` is NULL, its runs are dequantized meanwhile, spread evenly over the products. */
+ * tile from `whole_rows` on comes from `tail`, TILE_ROWS rows padded with zeros), stored by
+ * store_group_rows. Unless `pending` is NULL, its runs are dequantized meanwhile, spread evenly
+ * over the products. */
 static void amx_group_rows(uint16_t *const weights[2], int pair, int64_t runs, const uint16_t *x, int64_t stride,
                            int64_t rows, int64_t whole_rows, const uint16_t *tail, const float *const bias[2],
                            int swiglu, char *out, int64_t out_stride, int out_dtype, struct PendingGroups *pending)
 {
-    const size_t item = dtype_size(out_dtype);
     const int64_t bytes = stride * 2, steps = (rows + 2 * TILE_ROWS - 1) / (2 * TILE_ROWS) * runs;
     const int64_t pending_runs = pending ? pending->count * pending->runs : 0;
     for (int64_t row = 0; row < rows; row += 2 * TILE_ROWS) {
@@ -1015,70 +1058,116 @@ static void amx_group_rows(uint16_t *const weights[2], int pair, int64_t runs, c
             const int64_t step = row / (2 * TILE_ROWS) * runs + k + 1;
             if (pending) dequantize_pending(pending, step * pending_runs / steps);
         }
-        float sums[2][2][TILE_ROWS][GROUP]; /* [activation tile][group] */
-        _tile_stored(0, sums[0][0], 64);
-        _tile_stored(1, sums[0][1], 64);
-        _tile_stored(2, sums[1][0], 64);
-        _tile_stored(3, sums[1][1], 64);
-        vfloat group_bias[2] = {{0}, {0}};
-        for (int j = 0; j <= pair; j++)
-            if (bias[j]) memcpy(&group_bias[j], bias[j], sizeof group_bias[j]);
-        /* The SwiGLU here saves the gate_up output's round trip through memory and a pass over it
-         * (2,048 rows: 12.6 MB of bfloat16 written, then read back), rounded as that pass rounds. */
-        for (int64_t r = 0; swiglu && r < 2 * TILE_ROWS && row + r < rows; r++) {
-            vfloat gate, up;
-            memcpy(&gate, sums[r / TILE_ROWS][0][r % TILE_ROWS], sizeof gate);
-            memcpy(&up, sums[r / TILE_ROWS][1][r % TILE_ROWS], sizeof up);
-            const vfloat activated = swiglu_lanes(round_lanes(gate + group_bias[0], out_dtype),
-                                                  round_lanes(up + group_bias[1], out_dtype), out_dtype);
-            store_lanes(activated, out_dtype, out + (row + r) * out_stride * item);
+        float sums[2 * TILE_ROWS][2][GROUP]; /* [activation row][group] */
+        _tile_stored(0, sums[0][0], sizeof sums[0]);
+        _tile_stored(1, sums[0][1], sizeof sums[0]);
+        _tile_stored(2, sums[TILE_ROWS][0], sizeof sums[0]);
+        _tile_stored(3, sums[TILE_ROWS][1], sizeof sums[0]);
+        const int64_t count = rows - row < 2 * TILE_ROWS ? rows - row : 2 * TILE_ROWS;
+        store_group_rows(sums, count, pair, bias, swiglu, out + row * out_stride * dtype_size(out_dtype), out_stride,
+                         out_dtype);
+    }
+}
+#endif
+
+/* vdpbf16ps takes DOT_ROWS activation rows at a time: their sums of two groups are 24 of the 32
+ * registers. */
+enum { DOT_ROWS = 12 };
+
+/* sums[r][j] = activation row r's (x + r stride, bfloat16) products with group j's `pairs` pairs
+ * of dequantized values (weights[j]), for r < count: per pair, the row's two values broadcast
+ * and multiplied by the 16 rows' pairs. */
+static inline __attribute__((always_inline)) void dot_rows(const uint16_t *const weights[2], int64_t pairs,
+                                                         const uint16_t *x, int64_t stride, const int count,
+                                                         float sums[][2][GROUP])
+{
+    __m512 acc[DOT_ROWS][2];
+    for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(weights[0] + 32 * p);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(weights[1] + 32 * p);
+        for (int r = 0; r < count; r++) {
+            int32_t two;
+            memcpy(&two, x + r * stride + 2 * p, sizeof two);
+            const __m512bh both = (__m512bh)_mm512_set1_epi32(two);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, both);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, both);
         }
-        for (int j = 0; !swiglu && j <= pair; j++) {
-            for (int64_t r = 0; r < 2 * TILE_ROWS && row + r < rows; r++) {
-                vfloat lanes;
-                memcpy(&lanes, sums[r / TILE_ROWS][j][r % TILE_ROWS], sizeof lanes);
-                lanes += group_bias[j];
-                char *to = out + ((row + r) * out_stride + j * GROUP) * item;
-                /* float32 outputs (the LM head's logits: 12.6 MB for 64 rows of SmolLM2) go around
-                 * the caches: each row gets 64 bytes at a time, too scattered for the write-allocate
-                 * reads to be hidden (64 rows 5.1-5.5 -> 3.8-4.1 ms, workload A +2%, Xeon-AMX). */
-                if (out_dtype == DTYPE_FLOAT32 && ((uintptr_t)to & 63) == 0) _mm512_stream_ps((float *)to, (__m512)lanes);
-                else store_lanes(lanes, out_dtype, to);
-            }
-        }
+    }
+    for (int r = 0; r < count; r++) {
+        _mm512_storeu_ps(sums[r][0], acc[r][0]);
+        _mm512_storeu_ps(sums[r][1], acc[r][1]);
     }
 }
 
-/* interleaved_matrix on AMX tiles for bfloat16 activations `x`, or 0 where the step is too
- * small, the kernel lacks memory or Linux refuses the tiles (the caller then computes every
- * output with the int16 kernel). Activation rows go
- * AMX_PANEL_BYTES at a time (a panel stays in L2), each thread dequantizing its pairs of groups
- * once per panel. With `swiglu` (quantized_swiglu's), out holds silu(gate) * up, out_features / 2
- * a row, and group g of the gates pairs with group g of the ups; otherwise groups 2p and 2p + 1. */
-static int amx_interleaved_matrix(const struct QuantizedMatrix *matrix, int64_t in_features, const uint16_t *x,
-                                  int64_t rows, const float *bias, char *out, int64_t out_features, int out_dtype,
-                                  int num_threads, int swiglu)
+/* amx_group_rows by vdpbf16ps, DOT_ROWS activation rows at a time (a lone group multiplied as
+ * if paired with itself, its second sums unused). */
+static void dot_group_rows(uint16_t *const weights[2], int pair, int64_t runs, const uint16_t *x, int64_t stride,
+                           int64_t rows, const float *const bias[2], int swiglu, char *out, int64_t out_stride,
+                           int out_dtype, struct PendingGroups *pending)
 {
-    if (rows < AMX_MIN_ROWS || !amx_permitted()) return 0;
+    const uint16_t *const both[2] = {weights[0], weights[pair]};
+    const int64_t pairs = runs * RUN / 2, steps = (rows + DOT_ROWS - 1) / DOT_ROWS;
+    const int64_t pending_runs = pending ? pending->count * pending->runs : 0;
+    for (int64_t row = 0; row < rows; row += DOT_ROWS) {
+        const int count = rows - row < DOT_ROWS ? (int)(rows - row) : DOT_ROWS;
+        float sums[DOT_ROWS][2][GROUP];
+        const uint16_t *rows_x = x + row * stride;
+        switch (count) { /* a constant count for each, so that the rows' loop unrolls */
+#define DOT_ROWS_CASE(N) \
+    case N: dot_rows(both, pairs, rows_x, stride, N, sums); break;
+            DOT_ROWS_CASE(1) DOT_ROWS_CASE(2) DOT_ROWS_CASE(3) DOT_ROWS_CASE(4) DOT_ROWS_CASE(5) DOT_ROWS_CASE(6)
+            DOT_ROWS_CASE(7) DOT_ROWS_CASE(8) DOT_ROWS_CASE(9) DOT_ROWS_CASE(10) DOT_ROWS_CASE(11)
+            default: dot_rows(both, pairs, rows_x, stride, DOT_ROWS, sums);
+#undef DOT_ROWS_CASE
+        }
+        if (pending) dequantize_pending(pending, (row / DOT_ROWS + 1) * pending_runs / steps);
+        store_group_rows(sums, count, pair, bias, swiglu, out + row * out_stride * dtype_size(out_dtype), out_stride,
+                         out_dtype);
+    }
+}
+
+/* interleaved_matrix for bfloat16 activations `x` on AMX tiles where Linux grants them, else by
+ * vdpbf16ps; or 0 where the step is too small or the kernel lacks memory (the caller then
+ * computes every output with the int16 kernel). Activation rows go BF16_PANEL_BYTES at a time
+ * (a panel stays in L2), each thread dequantizing its pairs of groups once per panel. With
+ * `swiglu` (quantized_swiglu's), out holds silu(gate) * up, out_features / 2 a row, and group g
+ * of the gates pairs with group g of the ups; otherwise groups 2p and 2p + 1. */
+static int bfloat16_interleaved_matrix(const struct QuantizedMatrix *matrix, int64_t in_features, const uint16_t *x,
+                                       int64_t rows, const float *bias, char *out, int64_t out_features,
+                                       int out_dtype, int num_threads, int swiglu)
+{
+#if defined(AMX_TILES)
+    const int amx = amx_permitted();
+    enum { ROW_BLOCK = 2 * TILE_ROWS };
+#else
+    const int amx = 0;
+    enum { ROW_BLOCK = DOT_ROWS };
+#endif
+    const int64_t min_rows = amx ? AMX_MIN_ROWS : matrix->bfloat16_dot_rows;
+    if (!min_rows || rows < min_rows) return 0;
     int64_t first_group[4] = {0};
     for (int p = 0; p < matrix->parts; p++) first_group[p + 1] = first_group[p] + matrix->rows[p] / GROUP;
     const int64_t groups = first_group[matrix->parts], runs = in_features / RUN;
-    const int64_t whole_rows = rows / TILE_ROWS * TILE_ROWS;
-    uint16_t *tail = calloc((size_t)(TILE_ROWS * in_features), sizeof *tail);
-    if (!tail) return 0;
-    memcpy(tail, x + whole_rows * in_features, (size_t)((rows - whole_rows) * in_features) * sizeof *tail);
-    int64_t panel = AMX_PANEL_BYTES / (in_features * 2) / (2 * TILE_ROWS) * (2 * TILE_ROWS);
-    if (panel < 2 * TILE_ROWS) panel = 2 * TILE_ROWS;
+#if defined(AMX_TILES)
+    /* Tiles take 16 rows: the last few come from a copy padded with zeros. */
+    const int64_t whole_rows = amx ? rows / TILE_ROWS * TILE_ROWS : rows;
+    uint16_t *tail = amx ? calloc((size_t)(TILE_ROWS * in_features), sizeof *tail) : NULL;
+    if (amx && !tail) return 0;
+    if (amx) memcpy(tail, x + whole_rows * in_features, (size_t)((rows - whole_rows) * in_features) * sizeof *tail);
+#endif
+    int64_t panel = BF16_PANEL_BYTES / (in_features * 2) / ROW_BLOCK * ROW_BLOCK;
+    if (panel < ROW_BLOCK) panel = ROW_BLOCK;
     const size_t item = dtype_size(out_dtype), group_values = (size_t)(runs * RUN * GROUP);
     const int64_t pairs = swiglu ? groups / 2 : (groups + 1) / 2, apart = swiglu ? groups / 2 : 1;
     const int64_t panels = (rows + panel - 1) / panel, out_width = swiglu ? out_features / 2 : out_features;
     /* A single tile of rows multiplies too briefly to hide the next groups' dequantization, and
      * the second set of tiles would push the first out of L1 (16 rows 4-7% slower so). */
-    const int overlap = rows > TILE_ROWS;
+    const int overlap = rows > 16;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        /* Two sets of two groups' tiles: the pair multiplied now, and the next, dequantized
+        /* Two sets of two groups' weights: the pair multiplied now, and the next, dequantized
          * meanwhile (without the overlap, both sets are the same memory). */
         uint16_t *buffer = aligned_alloc(64, (overlap ? 4 : 2) * group_values * sizeof *buffer);
         uint16_t *const second_set = overlap && buffer ? buffer + 2 * group_values : buffer;
@@ -1088,7 +1177,9 @@ static int amx_interleaved_matrix(const struct QuantizedMatrix *matrix, int64_t 
         /* The thread's pairs of groups, the same in every panel; its items are (panel, pair). */
         const int64_t first_pair = thread * pairs / threads, own_pairs = (thread + 1) * pairs / threads - first_pair;
         const int64_t items = failed ? 0 : own_pairs * panels;
-        if (!failed) configure_tiles();
+#if defined(AMX_TILES)
+        if (!failed && amx) configure_tiles();
+#endif
         struct PendingGroups next = {0};
         const int64_t pair_stride = swiglu ? 1 : 2; /* from one pair's first group to the next one's */
         if (items) {
@@ -1106,16 +1197,27 @@ static int amx_interleaved_matrix(const struct QuantizedMatrix *matrix, int64_t 
             const int pair = current.count == 2;
             const float *const group_bias[2] = {bias ? bias + g * GROUP : NULL,
                                                 bias && pair ? bias + (g + apart) * GROUP : NULL};
-            amx_group_rows(current.weights, pair, runs, x + row * in_features, in_features, panel_rows,
-                           whole_rows - row, tail, group_bias, swiglu, out + (row * out_width + g * GROUP) * item,
-                           out_width, out_dtype, overlap ? &next : NULL);
+            char *group_out = out + (row * out_width + g * GROUP) * item;
+#if defined(AMX_TILES)
+            if (amx)
+                amx_group_rows(current.weights, pair, runs, x + row * in_features, in_features, panel_rows,
+                               whole_rows - row, tail, group_bias, swiglu, group_out, out_width, out_dtype,
+                               overlap ? &next : NULL);
+            else
+#endif
+                dot_group_rows(current.weights, pair, runs, x + row * in_features, in_features, panel_rows,
+                               group_bias, swiglu, group_out, out_width, out_dtype, overlap ? &next : NULL);
             dequantize_pending(&next, next.count * runs);
         }
-        if (!failed) _tile_release();
+#if defined(AMX_TILES)
+        if (!failed && amx) _tile_release();
+#endif
         _mm_sfence(); /* the streamed outputs are visible to every thread before the region ends */
         free(buffer);
     }
+#if defined(AMX_TILES)
     free(tail);
+#endif
     return !failed;
 }
 #endif
@@ -1153,9 +1255,9 @@ int quantized_linear(const struct QuantizedMatrix *matrix, const void *x, int x_
     int interleaved;
     const int status = check_matrix(matrix, in_features, &out_features, &interleaved);
     if (status != GGUF_OK) return status;
-#if defined(AMX_TILES) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
     if (interleaved && x_dtype == DTYPE_BFLOAT16 &&
-        amx_interleaved_matrix(matrix, in_features, x, rows, bias, out, out_features, out_dtype, num_threads, 0))
+        bfloat16_interleaved_matrix(matrix, in_features, x, rows, bias, out, out_features, out_dtype, num_threads, 0))
         return GGUF_OK;
 #endif
     const int64_t runs_per_row = in_features / RUN;
@@ -1200,9 +1302,9 @@ int quantized_swiglu(const struct QuantizedMatrix *matrix, const void *x, int x_
     const int status = check_matrix(matrix, in_features, &out_features, &interleaved);
     if (status != GGUF_OK) return status;
     if (out_features % 2) return GGUF_BAD_SHAPE;
-#if defined(AMX_TILES) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
     if (interleaved && x_dtype == DTYPE_BFLOAT16 && out_features / 2 % GROUP == 0 &&
-        amx_interleaved_matrix(matrix, in_features, x, rows, bias, out, out_features, out_dtype, num_threads, 1))
+        bfloat16_interleaved_matrix(matrix, in_features, x, rows, bias, out, out_features, out_dtype, num_threads, 1))
         return GGUF_OK;
 #endif
     char *gate_up = malloc((size_t)(rows * out_features) * dtype_size(out_dtype));

@@ -51,6 +51,9 @@ struct QuantizedMatrix {
     int32_t types[3];
     int64_t rows[3];
     const uint8_t *data[3];
+    /* Steps of at least this many bfloat16 rows multiply interleaved parts by vdpbf16ps where the
+     * build has AVX512-BF16 and no AMX tiles are granted (0: never); measured at start. */
+    int64_t bfloat16_dot_rows;
 };
 int quantized_linear(const struct QuantizedMatrix *matrix, const void *x, int x_dtype, int64_t rows,
                      int64_t in_features, const float *bias, void *out, int out_dtype, int num_threads);

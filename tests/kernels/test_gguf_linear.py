@@ -10,6 +10,7 @@ of ``d = a / 32767``, so off by at most ``d / 2``; an output is then off by at m
 """
 
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -31,6 +32,9 @@ BUILDS = {
     "AVX512 without VNNI": ("skylake-avx512", {"avx512bw"}),
     "portable": ("x86-64", set()),
 }
+# What the tests call in a build of gguf_linear.c.
+LINEAR_FUNCTIONS = ["quantized_linear", "quantized_swiglu", "gguf_linear_supports", "gguf_linear_body",
+                    "gguf_dequantize", "gguf_interleave", "silu_and_mul"]
 # The loader of the kernels built for this CPU, kept before the ``body`` fixture replaces it.
 OWN_BUILD = native.load_library
 
@@ -77,10 +81,8 @@ def body(request, tmp_path_factory) -> str:
         yield gguf_linear.body()
         return
     march, needed_flags = BUILDS[request.param]
-    functions = ["quantized_linear", "quantized_swiglu", "gguf_linear_supports", "gguf_linear_body",
-                 "gguf_dequantize", "gguf_interleave", "silu_and_mul"]
     library = kernel_builds.runnable_build(
-        march, needed_flags, ["gguf_linear.c", "layers.c"], functions, tmp_path_factory
+        march, needed_flags, ["gguf_linear.c", "layers.c"], LINEAR_FUNCTIONS, tmp_path_factory
     )
     with kernel_builds.in_place_of_own_build(library):
         yield gguf_linear.body()
@@ -127,49 +129,96 @@ def test_interleaved_linear_is_within_activation_rounding_of_the_dequantized_mat
     assert_within_activation_rounding(out - bias, x, reference_weight(type_name, blocks))
 
 
-@pytest.fixture
-def own_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernels built for this CPU, whichever build the ``body`` fixture has put in place."""
-    monkeypatch.setattr(native, "load_library", OWN_BUILD)
-
-
-NO_AMX_BODY = pytest.mark.skipif(
-    native.load_library() is None or "AMX" not in gguf_linear.body(), reason="this CPU's kernels have no AMX body"
-)
-
-
 def assert_equal_to_the_matmul_of_bfloat16_weights(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
     x64, w64 = x.double(), weight.bfloat16().double()
     error = (out.double() - x64 @ w64.T).abs()
     assert (error <= 1e-5 * (x64.abs() @ w64.abs().T) + 1e-6).all()
 
 
-@NO_AMX_BODY
-# One tile of rows, a partial second, two tiles and a partial third, rows past the first panel
-# (1,024 rows of 512 values); 112 rows of weights: each of two threads takes two pairs of groups,
-# the last pair a group alone, each pair's tiles filled while the pair before it multiplies.
+# Steps of at least this many bfloat16 rows multiply by vdpbf16ps in the tests below (where the
+# engine measures the crossover at start).
+DOT_ROWS = 16
+
+
+@pytest.fixture(params=["AMX tiles", "vdpbf16ps"])
+def bfloat16_products(request, tmp_path_factory) -> Iterator[str]:
+    """Each body that multiplies bfloat16 rows by bfloat16 products that this CPU runs: its own
+    build's AMX tiles, and vdpbf16ps without AMX: its own build's where it has AVX512-BF16 but no
+    AMX, else (on a CPU with AMX too) the cooperlake build's."""
+    own_body = OWN_BUILD() is not None and OWN_BUILD().gguf_linear_body()
+    if request.param == "AMX tiles":
+        if own_body != 4:
+            pytest.skip("this CPU's kernels have no AMX body")
+        library = OWN_BUILD()
+    elif own_body == 5:
+        library = OWN_BUILD()
+    else:
+        library = kernel_builds.runnable_build(
+            "cooperlake", {"avx512_bf16"}, ["gguf_linear.c", "layers.c"], LINEAR_FUNCTIONS, tmp_path_factory
+        )
+    with kernel_builds.in_place_of_own_build(library):
+        yield request.param
+
+
+def products_matrix(parts: list[gguf_linear.QuantizedPart], cols: int) -> gguf_linear.QuantizedMatrix:
+    return gguf_linear.QuantizedMatrix(parts, cols, bfloat16_dot_rows=DOT_ROWS)
+
+
+# One tile of rows (vdpbf16ps: a pass of 12 and one of 4), a partial second, two tiles and a
+# partial third, rows past the first panel (1,024 rows of 512 values; vdpbf16ps 1,020); 112 rows
+# of weights: each of two threads takes two pairs of groups, the last pair a group alone, each
+# pair's weights dequantized while the pair before it multiplies.
 @pytest.mark.parametrize("rows", [16, 17, 45, 1100])
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
-def test_bfloat16_rows_on_amx_tiles_equal_the_matmul_of_the_weights_dequantized_to_bfloat16(
-    own_build: None, type_name: str, rows: int
+def test_bfloat16_rows_by_bfloat16_products_equal_the_matmul_of_the_weights_dequantized_to_bfloat16(
+    bfloat16_products: str, type_name: str, rows: int
 ) -> None:
     blocks = random_blocks(type_name, 112, 512, seed=rows)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
     bias = torch.randn(112)
-    matrix = gguf_linear.QuantizedMatrix([gguf_linear.interleaved(part_of(type_name, blocks))], 512)
+    matrix = products_matrix([gguf_linear.interleaved(part_of(type_name, blocks))], 512)
     out = gguf_linear.linear(x, matrix, bias, out_dtype=torch.float32)
     assert_equal_to_the_matmul_of_bfloat16_weights(out - bias, x, reference_weight(type_name, blocks))
 
 
-@NO_AMX_BODY
-def test_amx_pairs_of_groups_that_straddle_parts_of_different_types_fill_their_own_columns(own_build: None) -> None:
+def test_bfloat16_product_pairs_of_groups_that_straddle_parts_of_different_types_fill_their_own_columns(
+    bfloat16_products: str,
+) -> None:
     names, rows = ["Q4_0", "Q8_0", "Q4_1"], [48, 16, 32]  # groups 0-2, 3, 4-5: pairs (2, 3) and (4, 5) mix types
     blocks = [random_blocks(name, count, 256, seed=i) for i, (name, count) in enumerate(zip(names, rows))]
     parts = [gguf_linear.interleaved(part_of(name, b)) for name, b in zip(names, blocks)]
     x = torch.randn(40, 256).bfloat16()
-    out = gguf_linear.linear(x, gguf_linear.QuantizedMatrix(parts, 256), out_dtype=torch.float32)
+    out = gguf_linear.linear(x, products_matrix(parts, 256), out_dtype=torch.float32)
     weight = torch.cat([reference_weight(name, b) for name, b in zip(names, blocks)])
     assert_equal_to_the_matmul_of_bfloat16_weights(out, x, weight)
+
+
+# A pass of 12 rows and one of 4; rows past the first panel.
+@pytest.mark.parametrize("rows", [16, 1100])
+def test_swiglu_by_bfloat16_products_gives_the_bits_of_silu_and_mul_after_the_linear(
+    bfloat16_products: str, rows: int
+) -> None:
+    gate, up = random_blocks("Q4_1", 48, 512, seed=rows), random_blocks("Q8_0", 48, 512, seed=rows + 1)
+    matrix = products_matrix(
+        [gguf_linear.interleaved(part_of("Q4_1", gate)), gguf_linear.interleaved(part_of("Q8_0", up))], 512
+    )
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    bias = torch.randn(96)
+    out = gguf_linear.swiglu(x, matrix, bias)
+    assert torch.equal(out, cpu_layers.silu_and_mul(gguf_linear.linear(x, matrix, bias)))
+
+
+@pytest.mark.parametrize("bfloat16_products", ["vdpbf16ps"], indirect=True)
+def test_steps_below_the_bfloat16_dot_rows_take_the_int16_products(bfloat16_products: str) -> None:
+    blocks = random_blocks("Q4_1", 32, 512)
+    part = gguf_linear.interleaved(part_of("Q4_1", blocks))
+    x = torch.randn(DOT_ROWS, 512).bfloat16()
+    int16, products = gguf_linear.QuantizedMatrix([part], 512), products_matrix([part], 512)
+    below = x[: DOT_ROWS - 1]
+    assert torch.equal(gguf_linear.linear(below, products), gguf_linear.linear(below, int16))
+    out = gguf_linear.linear(x, products, out_dtype=torch.float32)
+    assert not torch.equal(out, gguf_linear.linear(x, int16, out_dtype=torch.float32))
+    assert_equal_to_the_matmul_of_bfloat16_weights(out, x, reference_weight("Q4_1", blocks))
 
 
 def test_interleaved_parts_beside_a_part_of_another_layout_fill_their_own_columns(body: str) -> None:

@@ -105,6 +105,42 @@ def test_a_cache_folder_that_cannot_be_written_still_gives_the_plan(
     assert plan_quantized_linears(default_model, torch.float32, SINGLE_RANK).block_rows
 
 
+NO_BFLOAT16_PRODUCTS = pytest.mark.skipif(
+    native.load_library() is None or not gguf_linear.bfloat16_dot_products(),
+    reason="this CPU's kernels have no AVX512-BF16 products beside int16 ones (AMX tiles, or no AVX512-BF16)",
+)
+
+
+@NO_BFLOAT16_PRODUCTS
+def test_a_bfloat16_plan_times_where_avx512_bf16_products_overtake_int16_ones_for_each_block_type(
+    default_model: LlamaForCausalLM, new_machine: Path
+) -> None:
+    plan = plan_quantized_linears(default_model, torch.bfloat16, SINGLE_RANK)
+    interleaved_types = {part.base_type for module in default_model.modules()
+                         if getattr(module, "quantized", None) is not None
+                         for part in module.quantized.matrix.parts if part.type & gguf_linear.INTERLEAVED}
+    assert set(plan.dot_rows) == interleaved_types
+    first_rows = {0} | {max(rows + 1, cpu_linear_plan.DOT_CANDIDATE_ROWS[0]) for rows in (0, *cpu_linear_plan.DOT_CANDIDATE_ROWS[:-1])}
+    assert set(plan.dot_rows.values()) <= first_rows
+    assert "int16/AVX512-BF16 products by rows" in plan.describe()
+
+
+def test_a_float32_plan_keeps_int16_products_at_every_step(default_model: LlamaForCausalLM) -> None:
+    assert plan_quantized_linears(default_model, torch.float32, SINGLE_RANK).dot_rows == {}
+
+
+def test_a_matrix_turns_to_avx512_bf16_products_only_where_every_part_does() -> None:
+    q4_1, q8_0 = gguf_linear.TYPES["Q4_1"], gguf_linear.TYPES["Q8_0"]
+    part = {code: gguf_linear.QuantizedPart(torch.zeros(16, 20 if code == q4_1 else 34, dtype=torch.uint8), code)
+            for code in (q4_1, q8_0)}
+    both = gguf_linear.QuantizedMatrix([part[q4_1], part[q8_0]], 32)
+    plan = cpu_linear_plan.QuantizedLinearPlan({q4_1: 64, q8_0: 64}, torch.bfloat16, "tests", {q4_1: 25, q8_0: 49})
+    assert plan.dot_rows_for(both) == 49
+    assert plan.dot_rows_for(gguf_linear.QuantizedMatrix([part[q4_1]], 32)) == 25
+    never = cpu_linear_plan.QuantizedLinearPlan({q4_1: 64, q8_0: 64}, torch.bfloat16, "tests", {q4_1: 25, q8_0: 0})
+    assert never.dot_rows_for(both) == 0
+
+
 def test_another_thread_count_times_the_crossovers_anew(
     default_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, new_machine: Path
 ) -> None:
