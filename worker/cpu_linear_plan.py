@@ -44,7 +44,11 @@ from strata.worker.tp_layers import ColumnParallelLinear, ParallelLMHead, RowPar
 
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32)
 QUANTIZED_CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-DOT_CANDIDATE_ROWS = (8, 16, 24, 32, 48, 64, 128, 256)  # where the int16 kernel meets vdpbf16ps
+# Where the int16 kernel may give way to vdpbf16ps. Not below 32 rows: the slice timed here sits
+# in L2, where a group's dequantization costs little, and from memory, as a step's layers come,
+# it does not pay for itself (EPYC-Zen4, 30 layers' linears: 12-24 rows 0.80-0.96x the int16
+# kernel's speed where the slice timed them faster from 9 rows; 32 rows 1.02x, 64 1.14x).
+DOT_CANDIDATE_ROWS = (32, 48, 64, 128, 256)
 SAMPLE_FEATURES = 1024  # output features of the timed slice: the per-weight cost, in a few ms
 TIMED_REPEATS = 5
 
@@ -265,7 +269,7 @@ def _dot_crossover(part: gguf_linear.QuantizedPart, in_features: int, tp: Tensor
     int16 = gguf_linear.QuantizedMatrix([part], in_features)
     dot = gguf_linear.QuantizedMatrix([part], in_features, bfloat16_dot_rows=1)
     crossover, timings = _measured_once(
-        ("gguf bfloat16 products", part.type, tuple(part.data.shape), in_features),
+        ("gguf bfloat16 products", DOT_CANDIDATE_ROWS, part.type, tuple(part.data.shape), in_features),
         tp,
         lambda: _crossover(
             DOT_CANDIDATE_ROWS,

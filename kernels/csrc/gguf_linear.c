@@ -911,7 +911,7 @@ static void dequantize_interleaved(int base, const uint8_t *data, int64_t rows, 
  * whatever the rows, and a tile's 16 rows are mostly padding. vdpbf16ps's crossover is the
  * matrix's own (bfloat16_dot_rows): it depends on how fast the CPU issues vdpbf16ps beside the
  * int16 kernel's instructions (EPYC-Zen4, the default model's 30 layers' linears from memory:
- * 0.97x the int16 kernel's speed at 32 rows, 1.15x at 64, 1.24x at 128). */
+ * 0.80-0.96x the int16 kernel's speed at 12-24 rows, 1.02x at 32, 1.14x at 64, 1.30x at 128). */
 enum { AMX_MIN_ROWS = 16, BF16_PANEL_BYTES = 1024 * 1024 };
 
 /* 32 bfloat16 of pair p: lanes 2l and 2l + 1 the values of `even` and `odd` at lane l. */
@@ -1070,9 +1070,11 @@ static void amx_group_rows(uint16_t *const weights[2], int pair, int64_t runs, c
 }
 #endif
 
-/* vdpbf16ps takes DOT_ROWS activation rows at a time: their sums of two groups are 24 of the 32
- * registers. */
-enum { DOT_ROWS = 12 };
+/* vdpbf16ps takes DOT_ROWS activation rows at a time: their sums of two groups are 16 of the 32
+ * registers. Twelve rows (24 sums) were 5-8% slower at 32 to 512 rows on EPYC-Zen4 (the default
+ * model's 30 layers' linears, alternated), their addresses reloaded from the stack at every pair:
+ * the general registers hold eight. */
+enum { DOT_ROWS = 8 };
 
 /* sums[r][j] = activation row r's (x + r stride, bfloat16) products with group j's `pairs` pairs
  * of dequantized values (weights[j]), for r < count: per pair, the row's two values broadcast
@@ -1117,7 +1119,7 @@ static void dot_group_rows(uint16_t *const weights[2], int pair, int64_t runs, c
 #define DOT_ROWS_CASE(N) \
     case N: dot_rows(both, pairs, rows_x, stride, N, sums); break;
             DOT_ROWS_CASE(1) DOT_ROWS_CASE(2) DOT_ROWS_CASE(3) DOT_ROWS_CASE(4) DOT_ROWS_CASE(5) DOT_ROWS_CASE(6)
-            DOT_ROWS_CASE(7) DOT_ROWS_CASE(8) DOT_ROWS_CASE(9) DOT_ROWS_CASE(10) DOT_ROWS_CASE(11)
+            DOT_ROWS_CASE(7)
             default: dot_rows(both, pairs, rows_x, stride, DOT_ROWS, sums);
 #undef DOT_ROWS_CASE
         }
