@@ -231,16 +231,20 @@ def plan_quantized_linears(model: nn.Module, dtype: torch.dtype, tp: TensorParal
     if not largest:
         return None
     block_rows, dot_rows, measured = {}, {}, []
+    # Every rank times the products or none does (each timing is a collective); ranks on CPUs of
+    # different kinds keep the int16 kernel unless all have the products.
+    ranks_with_products = torch.tensor([float(gguf_linear.bfloat16_dot_products())], dtype=torch.float64)
+    products = dtype == torch.bfloat16 and tp.all_reduce(ranks_with_products).item() == tp.size
     for code, (part, in_features) in sorted(largest.items()):
         slice_ = gguf_linear.QuantizedPart(part.data[:SAMPLE_FEATURES].contiguous(), part.type)
-        if dtype == torch.bfloat16 and part.type & gguf_linear.INTERLEAVED and gguf_linear.bfloat16_dot_products():
+        if products and part.type & gguf_linear.INTERLEAVED:
             dot_rows[code], dot_timings = _dot_crossover(slice_, in_features, tp)
             measured.append(f"{gguf_linear.TYPE_NAMES[code]} int16/AVX512-BF16 products by rows: " + ", ".join(
                 f"{rows}: {int16 * 1e6:.0f}/{dot * 1e6:.0f}" for rows, int16, dot in dot_timings
             ))
         sample = gguf_linear.QuantizedMatrix([slice_], in_features, dot_rows.get(code, 0))
         crossover, timings = _measured_once(
-            ("gguf blocks", part.type, tuple(slice_.data.shape), in_features, dtype),
+            ("gguf blocks", part.type, tuple(slice_.data.shape), in_features, dtype, dot_rows.get(code, 0)),
             tp,
             lambda: _crossover(
                 QUANTIZED_CANDIDATE_ROWS,
