@@ -1279,7 +1279,8 @@ int quantized_linear(const struct QuantizedMatrix *matrix, const void *x, int x_
         const float *part_bias = bias ? bias + column : NULL;
         char *part_out = (char *)out + column * dtype_size(out_dtype);
         if (matrix->types[p] & INTERLEAVED) { /* beside parts of other layouts */
-            const struct QuantizedMatrix part = {1, {matrix->types[p]}, {matrix->rows[p]}, {matrix->data[p]}};
+            const struct QuantizedMatrix part = {1, {matrix->types[p]}, {matrix->rows[p]}, {matrix->data[p]},
+                                                 matrix->bfloat16_dot_rows};
             interleaved_matrix(&part, in_features, quantized, rows, part_bias, part_out, out_features, out_dtype,
                                num_threads);
         } else {
