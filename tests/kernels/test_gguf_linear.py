@@ -164,10 +164,10 @@ def products_matrix(parts: list[gguf_linear.QuantizedPart], cols: int) -> gguf_l
     return gguf_linear.QuantizedMatrix(parts, cols, bfloat16_dot_rows=DOT_ROWS)
 
 
-# One tile of rows (vdpbf16ps: a pass of 12 and one of 4), a partial second, two tiles and a
-# partial third, rows past the first panel (1,024 rows of 512 values; vdpbf16ps 1,020); 112 rows
-# of weights: each of two threads takes two pairs of groups, the last pair a group alone, each
-# pair's weights dequantized while the pair before it multiplies.
+# One tile of rows (vdpbf16ps: two passes of 8), a partial second (two passes and a row), two tiles
+# and a partial third (five passes and five rows), rows past the first panel (1,024 rows of 512
+# values); 112 rows of weights: each of two threads takes two pairs of groups, the last pair a
+# group alone, each pair's weights dequantized while the pair before it multiplies.
 @pytest.mark.parametrize("rows", [16, 17, 45, 1100])
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_bfloat16_rows_by_bfloat16_products_equal_the_matmul_of_the_weights_dequantized_to_bfloat16(
@@ -193,7 +193,7 @@ def test_bfloat16_product_pairs_of_groups_that_straddle_parts_of_different_types
     assert_equal_to_the_matmul_of_bfloat16_weights(out, x, weight)
 
 
-# A pass of 12 rows and one of 4; rows past the first panel.
+# One tile of rows (vdpbf16ps: two passes of 8); rows past the first panel.
 @pytest.mark.parametrize("rows", [16, 1100])
 def test_swiglu_by_bfloat16_products_gives_the_bits_of_silu_and_mul_after_the_linear(
     bfloat16_products: str, rows: int
