@@ -1267,8 +1267,12 @@ int quantized_linear(const struct QuantizedMatrix *matrix, const void *x, int x_
     struct QuantizedRun *quantized = aligned_alloc(_Alignof(struct QuantizedRun),
                                                    sizeof *quantized * (size_t)(rows * runs_per_row));
     if (!quantized) return GGUF_NO_MEMORY;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
-    for (int64_t m = 0; m < rows; m++) quantize_row(x, x_dtype, m, in_features, quantized + m * runs_per_row);
+    if (rows == 1) { /* outside any parallel region: a serialized one still sets up a team (layers.c) */
+        quantize_row(x, x_dtype, 0, in_features, quantized);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t m = 0; m < rows; m++) quantize_row(x, x_dtype, m, in_features, quantized + m * runs_per_row);
+    }
     if (interleaved) {
         interleaved_matrix(matrix, in_features, quantized, rows, bias, out, out_features, out_dtype, num_threads);
         free(quantized);

@@ -11,6 +11,29 @@
  * first-touch faults the threads take in parallel; Xeon-AMX). */
 enum { PARALLEL_MIN_TOKENS = 256 };
 
+/* write_kv_cache's tokens, shared among the threads of the region it is called in. */
+static void write_rows(const char *key, int64_t key_stride, const char *value, int64_t value_stride, int dtype,
+                       char *keys, char *values, int cache_dtype, int row_width, const int64_t *slot_mapping,
+                       int64_t num_tokens)
+{
+    const size_t item = dtype_size(dtype), cache_item = dtype_size(cache_dtype);
+#pragma omp for
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot == -1) continue;
+        if (dtype == cache_dtype) {
+            memcpy(keys + slot * row_width * cache_item, key + t * key_stride * item, row_width * item);
+            memcpy(values + slot * row_width * cache_item, value + t * value_stride * item, row_width * item);
+            continue;
+        }
+        float row[row_width];
+        load_row(key + t * key_stride * item, dtype, row, row_width);
+        store_row(row, cache_dtype, keys + slot * row_width * cache_item, row_width);
+        load_row(value + t * value_stride * item, dtype, row, row_width);
+        store_row(row, cache_dtype, values + slot * row_width * cache_item, row_width);
+    }
+}
+
 /* Token t's key and value rows (num_kv_heads * head_dim elements of `dtype`, at key +
  * t * key_stride and value + t * value_stride) go to slot slot_mapping[t] of the cache
  * ([2, num_slots, num_kv_heads * head_dim] of `cache_dtype`); slot -1 skips t. Returns 0, or
@@ -21,23 +44,16 @@ int write_kv_cache(const void *key, int64_t key_stride, const void *value, int64
 {
     for (int64_t t = 0; t < num_tokens; t++)
         if (slot_mapping[t] < -1 || slot_mapping[t] >= num_slots) return -1;
-    const size_t item = dtype_size(dtype), cache_item = dtype_size(cache_dtype);
-    char *keys = kv_cache, *values = (char *)kv_cache + num_slots * row_width * cache_item;
-#pragma omp parallel for num_threads(num_threads) if (num_tokens >= PARALLEL_MIN_TOKENS)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const int64_t slot = slot_mapping[t];
-        if (slot == -1) continue;
-        if (dtype == cache_dtype) {
-            memcpy(keys + slot * row_width * cache_item, (const char *)key + t * key_stride * item, row_width * item);
-            memcpy(values + slot * row_width * cache_item, (const char *)value + t * value_stride * item, row_width * item);
-            continue;
-        }
-        float row[row_width];
-        load_row((const char *)key + t * key_stride * item, dtype, row, row_width);
-        store_row(row, cache_dtype, keys + slot * row_width * cache_item, row_width);
-        load_row((const char *)value + t * value_stride * item, dtype, row, row_width);
-        store_row(row, cache_dtype, values + slot * row_width * cache_item, row_width);
+    char *keys = kv_cache, *values = (char *)kv_cache + num_slots * row_width * dtype_size(cache_dtype);
+    /* Few tokens on the calling thread alone, outside any parallel region (layers.c says why). */
+    if (num_tokens < PARALLEL_MIN_TOKENS) {
+        write_rows(key, key_stride, value, value_stride, dtype, keys, values, cache_dtype, row_width, slot_mapping,
+                   num_tokens);
+        return 0;
     }
+#pragma omp parallel num_threads(num_threads)
+    write_rows(key, key_stride, value, value_stride, dtype, keys, values, cache_dtype, row_width, slot_mapping,
+               num_tokens);
     return 0;
 }
 

@@ -8,7 +8,13 @@
 #include "kernels.h"
 #include "vector_math.h"
 
-/* Below this many elements a call runs on one thread: waking the others costs more. */
+/* Below this many elements a call runs on the calling thread alone: waking the others costs
+ * more. Each kernel's loop over rows is then called outside any parallel region (its `omp for`
+ * orphaned), not in a region whose `if` clause is false: such a serialized region still sets up a
+ * team, 0.7-1.0 us more than the bare loop once a decoder layer's weights have passed through the
+ * caches (a one-row norm 1.3 against 0.3 us, EPYC-Zen4), and a one-row decode step of the
+ * default model made about 270 such calls (norms, rotary, SwiGLU, KV writes, activations
+ * quantized for the GGUF linears). */
 enum { PARALLEL_MIN_ELEMENTS = 1 << 16 };
 
 /* Lanes [16 * c, 16 * c + 16) of a row of `width` hold this many of its elements. */
@@ -98,38 +104,46 @@ static inline __attribute__((always_inline)) void rms_norm_row(
                           lanes_in(c, width));
 }
 
+/* rms_norm's rows, shared among the threads of the region it is called in (or all on the caller). */
+static void rms_norm_rows(const void *x, void *residual, const void *weight, void *out, int64_t rows, int width,
+                          int dtype, float eps)
+{
+    const size_t item = dtype_size(dtype);
+    const int chunks = (width + LANES - 1) / LANES;
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+    if (dtype == DTYPE_FLOAT32) { /* its rows read the weight in place */
+#pragma omp for
+        for (int64_t r = 0; r < rows; r++)
+            avx2_rms_norm_row((const float *)x + r * width, residual ? (float *)residual + r * width : NULL,
+                              (const float *)weight, (float *)out + r * width, width, eps);
+        return;
+    }
+#endif
+    vfloat w[chunks];
+    for (int c = 0; c < chunks; c++)
+        w[c] = load_first_lanes((const char *)weight + c * LANES * item, dtype, lanes_in(c, width));
+#pragma omp for
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t row = r * width * item;
+#define RMS_NORM_ROW(DTYPE)                                                                                        \
+    rms_norm_row((const char *)x + row, residual ? (char *)residual + row : NULL, w, (char *)out + row, width, \
+                 chunks, eps, DTYPE)
+        FOR_DTYPE(dtype, RMS_NORM_ROW);
+#undef RMS_NORM_ROW
+    }
+}
+
 /* For each of `rows` rows of `width`: when `residual` is given, residual = x + residual
  * (rounded to dtype, written in place) and that sum is normalised; out = weight * norm(sum). */
 void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int width, int dtype,
               float eps, int num_threads)
 {
-    const size_t item = dtype_size(dtype);
-    const int chunks = (width + LANES - 1) / LANES;
-#pragma omp parallel num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
-    {
-#if defined(VECTORS_ARE_AVX2_PAIRS)
-        if (dtype == DTYPE_FLOAT32) { /* its rows read the weight in place */
-#pragma omp for
-            for (int64_t r = 0; r < rows; r++)
-                avx2_rms_norm_row((const float *)x + r * width, residual ? (float *)residual + r * width : NULL,
-                                  (const float *)weight, (float *)out + r * width, width, eps);
-        } else
-#endif
-        {
-            vfloat w[chunks];
-            for (int c = 0; c < chunks; c++)
-                w[c] = load_first_lanes((const char *)weight + c * LANES * item, dtype, lanes_in(c, width));
-#pragma omp for
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t row = r * width * item;
-#define RMS_NORM_ROW(DTYPE)                                                                                        \
-    rms_norm_row((const char *)x + row, residual ? (char *)residual + row : NULL, w, (char *)out + row, width, \
-                 chunks, eps, DTYPE)
-                FOR_DTYPE(dtype, RMS_NORM_ROW);
-#undef RMS_NORM_ROW
-            }
-        }
+    if (rows * width < PARALLEL_MIN_ELEMENTS) {
+        rms_norm_rows(x, residual, weight, out, rows, width, dtype, eps);
+        return;
     }
+#pragma omp parallel num_threads(num_threads)
+    rms_norm_rows(x, residual, weight, out, rows, width, dtype, eps);
 }
 
 /* One row of rotary_embedding: `heads` heads from `row`, by the row's angles (cos, sin: head_dim / 2 each). */
@@ -151,21 +165,33 @@ static inline __attribute__((always_inline)) void rotary_row(
     }
 }
 
-/* Rotates, in place, `heads` consecutive heads of each of `rows` rows (row r starts at
- * x + r * row_stride elements): dimension i pairs with i + head_dim / 2, by the angles whose
- * float32 cosines and sines are cos[r], sin[r] ([rows, head_dim / 2]). */
-void rotary_embedding(void *x, int64_t row_stride, int64_t rows, int heads, int head_dim, int dtype,
-                      const float *cos, const float *sin, int num_threads)
+/* rotary_embedding's rows, shared among the threads of the region it is called in. */
+static void rotary_rows(void *x, int64_t row_stride, int64_t rows, int heads, int head_dim, int dtype,
+                        const float *cos, const float *sin)
 {
     const size_t item = dtype_size(dtype);
     const int half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) if (rows * heads * head_dim >= PARALLEL_MIN_ELEMENTS)
+#pragma omp for
     for (int64_t r = 0; r < rows; r++) {
 #define ROTARY_ROW(DTYPE)                                                                                            \
     rotary_row((char *)x + r * row_stride * item, heads, head_dim, cos + r * half, sin + r * half, DTYPE)
         FOR_DTYPE(dtype, ROTARY_ROW);
 #undef ROTARY_ROW
     }
+}
+
+/* Rotates, in place, `heads` consecutive heads of each of `rows` rows (row r starts at
+ * x + r * row_stride elements): dimension i pairs with i + head_dim / 2, by the angles whose
+ * float32 cosines and sines are cos[r], sin[r] ([rows, head_dim / 2]). */
+void rotary_embedding(void *x, int64_t row_stride, int64_t rows, int heads, int head_dim, int dtype,
+                      const float *cos, const float *sin, int num_threads)
+{
+    if (rows * heads * head_dim < PARALLEL_MIN_ELEMENTS) {
+        rotary_rows(x, row_stride, rows, heads, head_dim, dtype, cos, sin);
+        return;
+    }
+#pragma omp parallel num_threads(num_threads)
+    rotary_rows(x, row_stride, rows, heads, head_dim, dtype, cos, sin);
 }
 
 /* One row of silu_and_mul: `width` gates at `gate`, as many ups at `up`. */
@@ -195,12 +221,11 @@ static inline void avx2_silu_and_mul_row(const float *gate, const float *up, flo
 }
 #endif
 
-/* out[r] = silu(gate) * up for each row r of gate_up = [gate (width) | up (width)]; silu(g) is
- * rounded to dtype before the product, as in the torch code. */
-void silu_and_mul(const void *gate_up, void *out, int64_t rows, int width, int dtype, int num_threads)
+/* silu_and_mul's rows, shared among the threads of the region it is called in. */
+static void silu_and_mul_rows(const void *gate_up, void *out, int64_t rows, int width, int dtype)
 {
     const size_t item = dtype_size(dtype);
-#pragma omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)
+#pragma omp for
     for (int64_t r = 0; r < rows; r++) {
         const char *gate = (const char *)gate_up + r * 2 * width * item;
 #define SILU_AND_MUL_ROW(DTYPE)                                                                                      \
@@ -215,24 +240,47 @@ void silu_and_mul(const void *gate_up, void *out, int64_t rows, int width, int d
     }
 }
 
+/* out[r] = silu(gate) * up for each row r of gate_up = [gate (width) | up (width)]; silu(g) is
+ * rounded to dtype before the product, as in the torch code. */
+void silu_and_mul(const void *gate_up, void *out, int64_t rows, int width, int dtype, int num_threads)
+{
+    if (rows * width < PARALLEL_MIN_ELEMENTS) {
+        silu_and_mul_rows(gate_up, out, rows, width, dtype);
+        return;
+    }
+#pragma omp parallel num_threads(num_threads)
+    silu_and_mul_rows(gate_up, out, rows, width, dtype);
+}
+
 /* A conversion streams memory once; below this many elements one thread keeps up with it and
  * waking the others costs more (far more on a machine whose cores are busy). */
 enum { CONVERT_PARALLEL_MIN_ELEMENTS = 1 << 20, CONVERT_CHUNK = 4096 };
+
+/* convert's chunks, shared among the threads of the region it is called in. */
+static void convert_chunks(const char *src, int src_dtype, char *dst, int dst_dtype, int64_t n)
+{
+    const size_t src_item = dtype_size(src_dtype), dst_item = dtype_size(dst_dtype);
+    const int64_t chunks = (n + CONVERT_CHUNK - 1) / CONVERT_CHUNK;
+#pragma omp for
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t start = c * CONVERT_CHUNK;
+        const int count = (int)(n - start < CONVERT_CHUNK ? n - start : CONVERT_CHUNK);
+        float values[CONVERT_CHUNK];
+        load_row(src + start * src_item, src_dtype, values, count);
+        store_row(values, dst_dtype, dst + start * dst_item, count);
+    }
+}
 
 /* dst[0..n) = src[0..n) converted from `src_dtype` to `dst_dtype`, rounded to nearest even as
  * torch rounds. */
 void convert(const void *src, int src_dtype, void *dst, int dst_dtype, int64_t n, int num_threads)
 {
-    const size_t src_item = dtype_size(src_dtype), dst_item = dtype_size(dst_dtype);
-    const int64_t chunks = (n + CONVERT_CHUNK - 1) / CONVERT_CHUNK;
-#pragma omp parallel for num_threads(num_threads) if (n >= CONVERT_PARALLEL_MIN_ELEMENTS)
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t start = c * CONVERT_CHUNK;
-        const int count = (int)(n - start < CONVERT_CHUNK ? n - start : CONVERT_CHUNK);
-        float values[CONVERT_CHUNK];
-        load_row((const char *)src + start * src_item, src_dtype, values, count);
-        store_row(values, dst_dtype, (char *)dst + start * dst_item, count);
+    if (n < CONVERT_PARALLEL_MIN_ELEMENTS) {
+        convert_chunks(src, src_dtype, dst, dst_dtype, n);
+        return;
     }
+#pragma omp parallel num_threads(num_threads)
+    convert_chunks(src, src_dtype, dst, dst_dtype, n);
 }
 
 /* Over the first cols / 16 * 16 of `cols` float32 values taken 16 at a time, lane l's first
@@ -314,6 +362,10 @@ static int64_t first_largest(const float *row, int64_t cols)
  * indices takes tens. */
 void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out, int num_threads)
 {
-#pragma omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
+    if (rows * cols < PARALLEL_MIN_ELEMENTS) {
+        for (int64_t r = 0; r < rows; r++) out[r] = first_largest(x + r * cols, cols);
+        return;
+    }
+#pragma omp parallel for num_threads(num_threads)
     for (int64_t r = 0; r < rows; r++) out[r] = first_largest(x + r * cols, cols);
 }
