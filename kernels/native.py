@@ -51,7 +51,7 @@ _SIGNATURES = {
         [_ptr, _i64, _i64, _ptr, _i64, _i32, _i32, _i32, _ptr, _i64, _i64, _i32, _i32, ctypes.c_float, _ptr, _i32],
         _i32,
     ),
-    "write_kv_cache": ([_ptr, _i64, _ptr, _i64, _i32, _ptr, _i64, _i32, _i32, _ptr, _i64, _i32], _i32),
+    "write_kv_cache": ([_ptr, _i64, _ptr, _i64, _i32, _ptr, _i64, _i32, _i32, _i32, _ptr, _i64, _i32], _i32),
     "copy_blocks": ([_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64], _i32),
     "rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, ctypes.c_float, _i32], None),
     "rotary_embedding": ([_ptr, _i64, _i64, _i32, _i32, _i32, _ptr, _ptr, _i32], None),

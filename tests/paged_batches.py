@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.kernels import reference
+from strata.kernels import cpu_kv_cache, reference
 from strata.worker.attention import AttentionMetadata, TorchAttentionBackend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -85,19 +85,22 @@ def make_batch(
 
 
 def forward_beside_torch_backend(
-    backend, b: Batch, sliding_window: int | None = None
+    backend, b: Batch, sliding_window: int | None = None, *, keys_tiled: bool = False
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """Run ``backend`` and the torch backend on ``b`` as the model calls them (strided q/k/v
-    views of one projection, K/V written first), each on its own copy of the cache. Returns
-    (the two caches, the two outputs), ``backend``'s first."""
+    views of one projection, K/V written first), each on its own copy of the cache (with
+    ``keys_tiled``, ``backend``'s in the C kernels' layout, ``kernels.cpu_kv_cache``). Returns
+    (the two caches, both in the reference's layout, and the two outputs), ``backend``'s first."""
     num_tokens, num_heads, head_dim = b.query.shape
     qkv = torch.randn(num_tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim).to(b.query.dtype).to(DEVICE)
     query, key, value = qkv.split([num_heads * head_dim, *[NUM_KV_HEADS * head_dim] * 2], dim=1)
     query = query.view(num_tokens, num_heads, head_dim)
     key, value = (t.view(num_tokens, NUM_KV_HEADS, head_dim) for t in (key, value))
-    caches = b.kv_cache, b.kv_cache.clone()
+    caches = cpu_kv_cache.tile_keys(b.kv_cache) if keys_tiled else b.kv_cache, b.kv_cache.clone()
     outs = tuple(
         each.forward(query, key, value, cache, b.meta, b.scale, sliding_window)
         for each, cache in zip((backend, TorchAttentionBackend()), caches)
     )
+    if keys_tiled:
+        caches = cpu_kv_cache.untile_keys(caches[0]), caches[1]
     return caches, outs

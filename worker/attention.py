@@ -8,7 +8,7 @@ that layer's cache and attends, causally and, for a sliding-window layer, only o
 they run.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -121,12 +121,14 @@ class CpuAttentionBackend:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]``; returns ``[T, H, D]``."""
-        cpu_kv_cache.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         if not cpu_attention.supports(query.shape[1], num_kv_heads, head_dim, block_size):
+            # The whole cache stays in the reference's layout: every layer of a model has one shape.
+            reference.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
             return reference.paged_attention(
                 query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, sliding_window=sliding_window
             )
+        cpu_kv_cache.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         long_chunks = meta.long_chunks.get(sliding_window)
         if long_chunks is None:
             long_chunks = meta.long_chunks[sliding_window] = reference.plan_chunks(
@@ -141,7 +143,10 @@ class CpuAttentionBackend:
             if not cpu_attention.chunk_attention(
                 query[chunk.rows], kv_cache, chunk.blocks, chunk.context, scale, out[chunk.rows], sliding_window
             ):
-                reference.chunk_attention(query, kv_cache, chunk, scale, out)
+                # Its blocks alone, the keys untiled (csrc/kv_layout.h), for the reference.
+                blocks = cpu_kv_cache.untile_keys(kv_cache[:, chunk.blocks])
+                chunk = replace(chunk, blocks=torch.arange(len(chunk.blocks)))
+                reference.chunk_attention(query, blocks, chunk, scale, out)
         return out
 
     @staticmethod

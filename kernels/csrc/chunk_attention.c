@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "kv_layout.h"
 #include "vector_math.h"
 
 enum { TILE = 64, SUBTILES = TILE / LANES, MAX_DIM = 256, GROUPS = 16 };
@@ -58,9 +59,10 @@ static void pack_head(const char *key_cache, const char *value_cache, int cache_
             for (int d = 0; d < head_dim; d++) key_tile[d * LANES + p % LANES] = 0.f;
             continue;
         }
-        const int64_t offset = (((int64_t)blocks[p / block_size] * block_size + p % block_size) * kv_heads + h) * head_dim;
-        load_row(value_cache + offset * element, cache_dtype, value_row, head_dim);
-        load_row(key_cache + offset * element, cache_dtype, row, head_dim);
+        const int64_t slot = (int64_t)blocks[p / block_size] * block_size + p % block_size;
+        load_row(value_cache + (slot * kv_heads + h) * head_dim * element, cache_dtype, value_row, head_dim);
+        for (int d = 0; d < head_dim; d += 2) /* the keys in pairs of dims (kv_layout.h) */
+            load_row(key_cache + key_index(slot, h, d, kv_heads, head_dim) * element, cache_dtype, row + d, 2);
         for (int d = 0; d < head_dim; d++) key_tile[d * LANES + p % LANES] = row[d];
     }
 }

@@ -25,6 +25,7 @@
 
 #include "amx_tiles.h"
 #include "kernels.h"
+#include "kv_layout.h"
 #include "vector_math.h"
 
 #if defined(__AVX512BF16__)
@@ -43,35 +44,33 @@ typedef struct {
     uint16_t *out;
 } Chunk;
 
-/* Position p of KV head h from the paged cache [blocks, block_size, kv_heads, head_dim]. */
-static inline const uint16_t *cached(const uint16_t *cache, const int32_t *blocks, int block_size, int kv_heads,
-                                     int head_dim, int64_t p, int h)
+/* The slot of context position p (its block's, from `blocks`, and its place in it). */
+static inline int64_t slot_of(const int32_t *blocks, int block_size, int64_t p)
 {
-    return cache + (((int64_t)blocks[p / block_size] * block_size + p % block_size) * kv_heads + h) * head_dim;
+    return (int64_t)blocks[p / block_size] * block_size + p % block_size;
 }
 
 /* Tile t (positions t SUB .. t SUB + SUB - 1, in one block of the cache) of KV head h: keys as
- * [head_dim / 2][SUB][2], each position's pairs of dims transposed to a column; values as
- * [SUB / 2 position pairs][head_dim][2], each pair's rows interleaved; zeros past the context.
- * (Block sizes are multiples of SUB, so a tile's rows lie evenly spaced in one block.) In
- * vectors and split across the threads by tile: packed element by element and a KV head per
- * thread, a 16-token chunk over 400 positions took 127 us a layer, now 67 (Xeon-AMX). */
+ * [head_dim / 2][SUB][2], as the cache keeps them (kv_layout.h; SUB is its KEY_TILE), copied;
+ * values as [SUB / 2 position pairs][head_dim][2], each pair's rows interleaved; zeros past the
+ * context. (Block sizes are multiples of SUB, so a tile's rows lie evenly spaced in one block.)
+ * In vectors and split across the threads by tile: packed element by element and a KV head per
+ * thread, a 16-token chunk over 400 positions took 127 us a layer, then 67 with the keys
+ * transposed in vectors (Xeon-AMX). */
 static void pack_tile(const uint16_t *key_cache, const uint16_t *value_cache, const int32_t *blocks, int block_size,
                       int kv_heads, int head_dim, int64_t context, int64_t t, int h, uint16_t *keys, uint16_t *values)
 {
     const int64_t first = t * SUB;
     const int valid = context - first < SUB ? (int)(context - first) : SUB; /* < 1: a tile of padding */
-    const uint16_t *key_rows = valid > 0 ? cached(key_cache, blocks, block_size, kv_heads, head_dim, first, h) : NULL;
-    const uint16_t *value_rows = valid > 0 ? cached(value_cache, blocks, block_size, kv_heads, head_dim, first, h) : NULL;
+    const int64_t slot = valid > 0 ? slot_of(blocks, block_size, first) : 0;
+    const uint16_t *value_rows = valid > 0 ? value_cache + slot * kv_heads * head_dim + (int64_t)h * head_dim : NULL;
     const int64_t stride = (int64_t)kv_heads * head_dim;
-    for (int c = 0; c < head_dim / 32; c++) { /* 16 pairs of dims (32-bit words) at a time */
-        __m512 rows[SUB];
-        vfloat columns[SUB];
-        for (int p = 0; p < SUB; p++)
-            rows[p] = p < valid ? _mm512_loadu_ps(key_rows + p * stride + 32 * c) : _mm512_setzero_ps();
-        transpose_16x16(rows, columns);
-        for (int j = 0; j < SUB; j++) memcpy(keys + (16 * c + j) * SUB * 2, &columns[j], sizeof columns[j]);
-    }
+    if (valid > 0) memcpy(keys, key_cache + key_index(slot, h, 0, kv_heads, head_dim), sizeof(uint16_t) * SUB * head_dim);
+    if (valid < SUB)
+        for (int j = 0; j < head_dim / 2; j++) {
+            const int from = valid > 0 ? valid : 0;
+            memset(keys + (j * SUB + from) * 2, 0, sizeof(uint16_t) * 2 * (SUB - from));
+        }
     const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                          39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));

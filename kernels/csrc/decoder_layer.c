@@ -55,7 +55,8 @@ struct DecodeStep {
     int32_t num_seqs;
 };
 
-/* The paged cache a layer reads and writes: [2, num_blocks, block_size, kv_heads, head_dim]. */
+/* The paged cache a layer reads and writes: [2, num_blocks, block_size, kv_heads, head_dim], the keys
+ * tiled as kv_layout.h lays them out. */
 struct KvCache {
     void *data;
     int64_t num_blocks;
@@ -122,8 +123,8 @@ int attention_block(const struct AttentionLayer *layer, const struct DecodeStep 
                          step->sin, threads);
         const char *keys = qkv + q_width * item, *values = qkv + (q_width + kv_width) * item;
         if (write_kv_cache(keys, qkv_width, values, qkv_width, dtype, cache->data,
-                           cache->num_blocks * cache->block_size, cache->dtype, (int)kv_width, step->slot_mapping,
-                           rows, threads))
+                           cache->num_blocks * cache->block_size, cache->dtype, layer->kv_heads, layer->head_dim,
+                           step->slot_mapping, rows, threads))
             status = FUSED_SLOT_OUTSIDE_CACHE;
     }
     if (status == FUSED_OK

@@ -8,8 +8,8 @@ void rotary_embedding(void *x, int64_t row_stride, int64_t rows, int heads, int 
                       const float *cos, const float *sin, int num_threads);
 void silu_and_mul(const void *gate_up, void *out, int64_t rows, int width, int dtype, int num_threads);
 int write_kv_cache(const void *key, int64_t key_stride, const void *value, int64_t value_stride, int dtype,
-                   void *kv_cache, int64_t num_slots, int cache_dtype, int row_width, const int64_t *slot_mapping,
-                   int64_t num_tokens, int num_threads);
+                   void *kv_cache, int64_t num_slots, int cache_dtype, int num_kv_heads, int head_dim,
+                   const int64_t *slot_mapping, int64_t num_tokens, int num_threads);
 int paged_attention_supports(int num_heads, int num_kv_heads, int head_dim, int block_size);
 int paged_attention(
     const void *query, int64_t query_token_stride, int64_t query_head_stride, int query_dtype,

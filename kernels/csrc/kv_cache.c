@@ -3,32 +3,42 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "kernels.h"
 #include "dtypes.h"
+#include "kernels.h"
+#include "kv_layout.h"
 
 /* Below this many tokens one thread writes them: waking the other cost more than it saved (64
  * tokens 6 -> 12 us; 1,934 tokens 247 -> 117 us on touched pages, 609 -> 320 on fresh ones, whose
  * first-touch faults the threads take in parallel; Xeon-AMX). */
 enum { PARALLEL_MIN_TOKENS = 256 };
 
-/* write_kv_cache's tokens, shared among the threads of the region it is called in. */
+/* write_kv_cache's tokens, shared among the threads of the region it is called in: each value
+ * row whole, each key row a pair of dims at a time into its tile (kv_layout.h). */
 static void write_rows(const char *key, int64_t key_stride, const char *value, int64_t value_stride, int dtype,
-                       char *keys, char *values, int cache_dtype, int row_width, const int64_t *slot_mapping,
-                       int64_t num_tokens)
+                       char *keys, char *values, int cache_dtype, int kv_heads, int head_dim,
+                       const int64_t *slot_mapping, int64_t num_tokens)
 {
     const size_t item = dtype_size(dtype), cache_item = dtype_size(cache_dtype);
+    const int row_width = kv_heads * head_dim;
 #pragma omp for
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t slot = slot_mapping[t];
         if (slot == -1) continue;
+        const char *key_row = key + t * key_stride * item;
         if (dtype == cache_dtype) {
-            memcpy(keys + slot * row_width * cache_item, key + t * key_stride * item, row_width * item);
+            for (int h = 0; h < kv_heads; h++)
+                for (int d = 0; d < head_dim; d += 2)
+                    memcpy(keys + key_index(slot, h, d, kv_heads, head_dim) * cache_item,
+                           key_row + ((int64_t)h * head_dim + d) * item, 2 * item);
             memcpy(values + slot * row_width * cache_item, value + t * value_stride * item, row_width * item);
             continue;
         }
         float row[row_width];
-        load_row(key + t * key_stride * item, dtype, row, row_width);
-        store_row(row, cache_dtype, keys + slot * row_width * cache_item, row_width);
+        load_row(key_row, dtype, row, row_width);
+        for (int h = 0; h < kv_heads; h++)
+            for (int d = 0; d < head_dim; d += 2)
+                store_row(row + h * head_dim + d, cache_dtype,
+                          keys + key_index(slot, h, d, kv_heads, head_dim) * cache_item, 2);
         load_row(value + t * value_stride * item, dtype, row, row_width);
         store_row(row, cache_dtype, values + slot * row_width * cache_item, row_width);
     }
@@ -36,24 +46,27 @@ static void write_rows(const char *key, int64_t key_stride, const char *value, i
 
 /* Token t's key and value rows (num_kv_heads * head_dim elements of `dtype`, at key +
  * t * key_stride and value + t * value_stride) go to slot slot_mapping[t] of the cache
- * ([2, num_slots, num_kv_heads * head_dim] of `cache_dtype`); slot -1 skips t. Returns 0, or
- * -1 before writing anything where a slot lies outside the cache. */
+ * ([2, num_slots, num_kv_heads, head_dim] of `cache_dtype`, the keys tiled as kv_layout.h lays
+ * them out; num_slots a multiple of KEY_TILE); slot -1 skips t. Returns 0, or -1 before writing
+ * anything where a slot lies outside the cache. */
 int write_kv_cache(const void *key, int64_t key_stride, const void *value, int64_t value_stride, int dtype,
-                    void *kv_cache, int64_t num_slots, int cache_dtype, int row_width, const int64_t *slot_mapping,
-                    int64_t num_tokens, int num_threads)
+                   void *kv_cache, int64_t num_slots, int cache_dtype, int num_kv_heads, int head_dim,
+                   const int64_t *slot_mapping, int64_t num_tokens, int num_threads)
 {
+    if (num_slots % KEY_TILE || head_dim % 2) return -1;
     for (int64_t t = 0; t < num_tokens; t++)
         if (slot_mapping[t] < -1 || slot_mapping[t] >= num_slots) return -1;
+    const int64_t row_width = (int64_t)num_kv_heads * head_dim;
     char *keys = kv_cache, *values = (char *)kv_cache + num_slots * row_width * dtype_size(cache_dtype);
     /* Few tokens on the calling thread alone, outside any parallel region (layers.c says why). */
     if (num_tokens < PARALLEL_MIN_TOKENS) {
-        write_rows(key, key_stride, value, value_stride, dtype, keys, values, cache_dtype, row_width, slot_mapping,
-                   num_tokens);
+        write_rows(key, key_stride, value, value_stride, dtype, keys, values, cache_dtype, num_kv_heads, head_dim,
+                   slot_mapping, num_tokens);
         return 0;
     }
 #pragma omp parallel num_threads(num_threads)
-    write_rows(key, key_stride, value, value_stride, dtype, keys, values, cache_dtype, row_width, slot_mapping,
-               num_tokens);
+    write_rows(key, key_stride, value, value_stride, dtype, keys, values, cache_dtype, num_kv_heads, head_dim,
+               slot_mapping, num_tokens);
     return 0;
 }
 

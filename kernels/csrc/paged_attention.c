@@ -2,10 +2,11 @@
  * kernels/reference.py's paged_attention (which it is tested against), computed in float32
  * with an online softmax.
  *
- * A tile of 16 positions at a time: the 16 key rows of a KV head are converted once and shared
- * by every query row of that head, each query row's 16 dot products are summed by a shuffle tree
- * instead of 16 horizontal reductions, and each value row is converted once and added into
- * every row. Work is split into three kinds of items:
+ * A tile of 16 positions at a time. The cache keeps a tile's keys as pairs of dims by position
+ * (kv_layout.h), so each load of a KV head's keys is one pair of dims at all 16 positions: a
+ * query row's pair of dims, broadcast, scores the whole tile at once (score_keys), with no
+ * reduction across lanes. Each value row is converted once and added into every row of its KV
+ * head. Work is split into three kinds of items:
  * - Where a batch has at least ROWS_PER_THREAD decode rows (sequences with one new token) per
  *   thread, each decode row walks its context with all its KV heads at once, so that it reads
  *   each block's keys and values whole, front to back: one KV head's rows alone are a quarter to
@@ -22,11 +23,11 @@
  *   tokens' rows share each read). Where the next tile's block does not follow this one's in
  *   memory, its rows are prefetched meanwhile.
  * With bfloat16 queries and cache on a CPU with AMX, a tile's q.k products run on AMX tiles
- * instead (amx_dot_tile, below). A decode walk (in every build but AVX2's) prefetches each next
+ * instead (amx_score_keys, below). A decode walk (in every build but AVX2's) prefetches each next
  * tile (64 decode rows over 400 positions 13% faster on Xeon-AMX, workload A 6%) and weights its
  * value rows with the sums in registers (add_decode_values).
  * Where the 16-lane vectors are pairs of AVX2 registers, tiles are scored and weighted in AVX2's
- * own registers instead (avx2_dot_rows and the functions beside it).
+ * own registers instead (avx2_score_keys and the functions beside it).
  * Every walk restarts its online softmax at each multiple of SEGMENT positions and joins the
  * segments in order, so a row's arithmetic is the same, in the same order, whichever item
  * computed it: a decode row gets the result a verification of draft tokens computes for the
@@ -40,6 +41,7 @@
 
 #include "amx_tiles.h"
 #include "kernels.h"
+#include "kv_layout.h"
 #include "vector_math.h"
 
 enum { QUERY_TILE = 8, MAX_GROUP = 16, MAX_CHUNKS = 16 };
@@ -49,7 +51,7 @@ typedef struct {
     const char *query; /* [tokens, heads, head_dim], last dim contiguous */
     int64_t query_token_stride, query_head_stride; /* in elements */
     int query_dtype; /* also the output's */
-    const char *keys, *values; /* each [blocks, block_size, kv_heads, head_dim] */
+    const char *keys, *values; /* each [blocks, block_size, kv_heads, head_dim], the keys tiled (kv_layout.h) */
     int cache_dtype;
     int block_size, num_heads, num_kv_heads;
     const int32_t *block_tables;
@@ -71,12 +73,10 @@ static inline int window_start(const Batch *b, int visible)
 #if defined(VECTORS_ARE_AVX2_PAIRS)
 /* ---- Tiles in AVX2's own registers -----------------------------------------------------------
  * Where the 16-lane vectors are pairs of AVX2 registers, GCC builds their broadcasts and
- * shuffles through the stack a lane at a time, and copies a tile's rows (load_tile,
- * load_positions) 16 bytes at a time: most of a decode's attention on EPYC-AVX2, where a tile
- * took five times its multiply-adds even from L2. These builds widen tiles into float32 with whole
- * AVX2 registers (avx2_widen_rows) and score and weight them with the functions below. A decode
- * walk and attend_tile both score with avx2_dot_rows, so a decode row and a verification of
- * draft tokens still compute the same bits. */
+ * shuffles through the stack a lane at a time, and copied a tile's rows 16 bytes at a time: most
+ * of a decode's attention on EPYC-AVX2, where a tile took five times its multiply-adds even from
+ * L2. These builds widen value rows into float32 with whole AVX2 registers (avx2_widen_rows) and
+ * weight them with the functions below, and score keys in AVX2 registers (avx2_score_rows). */
 
 /* acc (chunks * 16 floats) += the `len` float32 rows from `rows` (`stride` floats apart) weighted
  * by weight[p], position by position. Four chunks' sums stay in registers at a time: eight chains
@@ -100,49 +100,6 @@ static inline __attribute__((always_inline)) void avx2_add_weighted_rows(
         }
         for (int i = 0; i < registers; i++) _mm256_storeu_ps(sums_at + 8 * i, sum[i]);
     }
-}
-
-/* Lane i of the result = the sum of the 8 lanes of v[i]: lanes (l, l + 4), then (l, l + 2), then
- * (0, 1), as sum_each pairs them once a 16-lane vector's halves are added. */
-static inline __m256 avx2_sum_each_of_eight(const __m256 v[8])
-{
-    __m256 quarters[4], pairs[2];
-    /* quarters[i]: v[i]'s four sums, then v[i + 4]'s */
-    for (int i = 0; i < 4; i++)
-        quarters[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[i], v[i + 4], 0x20),
-                                    _mm256_permute2f128_ps(v[i], v[i + 4], 0x31));
-    /* pairs[i]: the two sums of v[2i], then v[2i + 1], then those of v[2i + 4] and v[2i + 5] */
-    for (int i = 0; i < 2; i++)
-        pairs[i] = _mm256_add_ps(_mm256_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0x44),
-                                 _mm256_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0xee));
-    return _mm256_add_ps(_mm256_shuffle_ps(pairs[0], pairs[1], 0x88), _mm256_shuffle_ps(pairs[0], pairs[1], 0xdd));
-}
-
-/* Query vector q's scores with the 16 float32 key rows from `keys` (`stride` floats apart): for
- * each row, lane by lane the products' sums over the chunks, then the lanes summed pairwise. */
-static inline __attribute__((always_inline)) vfloat avx2_dot_rows(
-    const float *keys, int64_t stride, const int chunks, const vfloat q[chunks])
-{
-    const float *query = (const float *)q;
-    __m256 halves[2];
-    for (int half = 0; half < 2; half++) {
-        __m256 dots[8];
-        for (int i = 0; i < 8; i++) {
-            const float *key = keys + (half * 8 + i) * stride;
-            __m256 low = _mm256_mul_ps(_mm256_loadu_ps(query), _mm256_loadu_ps(key));
-            __m256 high = _mm256_mul_ps(_mm256_loadu_ps(query + 8), _mm256_loadu_ps(key + 8));
-            for (int c = 1; c < chunks; c++) {
-                const float *q_chunk = query + c * LANES, *k_chunk = key + c * LANES;
-                low = _mm256_fmadd_ps(_mm256_loadu_ps(q_chunk), _mm256_loadu_ps(k_chunk), low);
-                high = _mm256_fmadd_ps(_mm256_loadu_ps(q_chunk + 8), _mm256_loadu_ps(k_chunk + 8), high);
-            }
-            dots[i] = _mm256_add_ps(low, high);
-        }
-        halves[half] = avx2_sum_each_of_eight(dots);
-    }
-    vfloat scores;
-    memcpy(&scores, halves, sizeof scores);
-    return scores;
 }
 
 /* out = `count` rows of `row_floats` elements of `dtype` (a multiple of 16), each `stride` bytes
@@ -196,25 +153,140 @@ static inline __attribute__((always_inline)) void prefetch_rows(const Batch *b, 
     }
 }
 
-/* scores[x] = the dot products of query vector q[x] with the tile's 16 key rows `keys`, for the
- * rows x that see some of the tile's positions (from `start`: [first[x], visible[x])). */
-static inline __attribute__((always_inline)) void dot_tile(
-    int start, const int rows, const int chunks, const vfloat q[rows][chunks], const int visible[rows],
-    const int first[rows], const vfloat keys[LANES][chunks], vfloat scores[rows])
+/* ---- Scores ----------------------------------------------------------------------------------
+ * One KV head's keys in a tile are [head_dim / 2][16 positions][2 dims] (kv_layout.h). A query
+ * row's sums run lane by lane over the positions: for each pair of dims, the tile's 32 values of
+ * that pair times the row's pair broadcast. Each row's sums are its own chain, in the same order
+ * however many rows share the loads, so a decode row and a verification of draft tokens get the
+ * same bits. A row that does not see the tile is scored anyway; softmax_tile skips it. */
+
+#if defined(__AVX512BF16__)
+/* scores[r] = the scaled q.k of the n raw bfloat16 queries `raw` with the tile's bfloat16 keys
+ * `keys`: one vdpbf16ps per pair of dims and row, the products exact, summed in float32. */
+static inline __attribute__((always_inline)) void bf16_score_rows(
+    const Batch *b, const char *keys, const int n, const int pairs, const uint16_t *const raw[], vfloat scores[])
 {
-    for (int x = 0; x < rows; x++) {
-        if (start >= visible[x] || start + LANES <= first[x]) continue;
-#if defined(VECTORS_ARE_AVX2_PAIRS)
-        scores[x] = avx2_dot_rows((const float *)keys, chunks * LANES, chunks, q[x]);
-#else
-        vfloat partial[LANES];
-        for (int p = 0; p < LANES; p++) {
-            partial[p] = q[x][0] * keys[p][0];
-            for (int c = 1; c < chunks; c++) partial[p] += q[x][c] * keys[p][c];
+    __m512 sums[n];
+    for (int r = 0; r < n; r++) sums[r] = _mm512_setzero_ps();
+    for (int j = 0; j < pairs; j++) {
+        const __m512bh pair_at_positions = (__m512bh)_mm512_loadu_si512(keys + j * 2 * KEY_TILE * sizeof(uint16_t));
+        for (int r = 0; r < n; r++) {
+            uint32_t query_pair;
+            memcpy(&query_pair, raw[r] + 2 * j, sizeof query_pair);
+            sums[r] = _mm512_dpbf16_ps(sums[r], pair_at_positions, (__m512bh)_mm512_set1_epi32((int)query_pair));
         }
-        scores[x] = sum_each(partial);
-#endif
     }
+    for (int r = 0; r < n; r++) scores[r] = (vfloat)sums[r] * b->scale;
+}
+#endif
+
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+/* scores[r] = q[r].k with the tile's keys `keys` of `dtype`, in AVX2 registers: each pair of
+ * dims' 32 values widened into four registers of 4 positions x 2 dims, multiplied by the row's
+ * pair broadcast; the two dims' sums added at the end. */
+static inline __attribute__((always_inline)) void avx2_score_rows(
+    const char *keys, int dtype, const int n, const int pairs, const float *const q[], vfloat scores[])
+{
+    const size_t item = dtype_size(dtype);
+    __m256 sums[n][4];
+    for (int r = 0; r < n; r++)
+        for (int i = 0; i < 4; i++) sums[r][i] = _mm256_setzero_ps();
+    for (int j = 0; j < pairs; j++) {
+        __m256 pair_at_positions[4];
+        avx2_widen_16(keys + j * 2 * KEY_TILE * item, dtype, pair_at_positions);
+        avx2_widen_16(keys + (j * 2 * KEY_TILE + LANES) * item, dtype, pair_at_positions + 2);
+        for (int r = 0; r < n; r++) {
+            double query_pair;
+            memcpy(&query_pair, q[r] + 2 * j, sizeof query_pair);
+            const __m256 broadcast = _mm256_castpd_ps(_mm256_set1_pd(query_pair));
+            for (int i = 0; i < 4; i++) sums[r][i] = _mm256_fmadd_ps(pair_at_positions[i], broadcast, sums[r][i]);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        /* hadd leaves positions 0, 1, 4, 5 | 2, 3, 6, 7 (per 128-bit half): put them in order */
+        __m256 halves[2];
+        for (int h = 0; h < 2; h++)
+            halves[h] = _mm256_castpd_ps(
+                _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(sums[r][2 * h], sums[r][2 * h + 1])), 0xd8));
+        memcpy(&scores[r], halves, sizeof scores[r]);
+    }
+}
+#else
+/* scores[r] = q[r].k with the tile's keys `keys` of `dtype`: each pair of dims' 32 values as two
+ * vectors of 8 positions x 2 dims, multiplied by the row's pair broadcast; the two dims' sums
+ * added at the end. */
+static inline __attribute__((always_inline)) void score_rows(
+    const char *keys, int dtype, const int n, const int pairs, const float *const q[], vfloat scores[])
+{
+    const size_t item = dtype_size(dtype);
+    vfloat low[n], high[n];
+    for (int r = 0; r < n; r++) low[r] = high[r] = (vfloat){0};
+    for (int j = 0; j < pairs; j++) {
+        const vfloat first = load_lanes(keys + j * 2 * KEY_TILE * item, dtype);
+        const vfloat second = load_lanes(keys + (j * 2 * KEY_TILE + LANES) * item, dtype);
+        for (int r = 0; r < n; r++) {
+            vfloat broadcast;
+#if defined(__AVX512F__)
+            double query_pair;
+            memcpy(&query_pair, q[r] + 2 * j, sizeof query_pair);
+            broadcast = (vfloat)_mm512_set1_pd(query_pair);
+#else
+            for (int i = 0; i < LANES; i++) broadcast[i] = q[r][2 * j + i % 2];
+#endif
+            low[r] += first * broadcast;
+            high[r] += second * broadcast;
+        }
+    }
+    const vint even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    for (int r = 0; r < n; r++)
+        scores[r] = __builtin_shuffle(low[r], high[r], even) + __builtin_shuffle(low[r], high[r], even + 1);
+}
+#endif
+
+/* scores[x] = the q.k of query rows x < n with one KV head's tile of keys at `keys`: q[x], the
+ * scaled float32 query, or (bfloat16 queries and cache, a build with AVX512-BF16) raw[x], the
+ * bfloat16 query as it is, scaled after. Four rows at a time share each load. */
+static inline __attribute__((always_inline)) void score_keys(
+    const Batch *b, const char *keys, const int n, const int chunks, const vfloat q[][chunks],
+    const uint16_t *const raw[], vfloat scores[])
+{
+    const int pairs = chunks * LANES / 2;
+    for (int x = 0; x < n; x += 4) {
+        const int rows = n - x < 4 ? n - x : 4;
+#if defined(__AVX512BF16__)
+        if (b->cache_dtype == DTYPE_BFLOAT16 && b->query_dtype == DTYPE_BFLOAT16) {
+            switch (rows) {
+            case 1: bf16_score_rows(b, keys, 1, pairs, raw + x, scores + x); break;
+            case 2: bf16_score_rows(b, keys, 2, pairs, raw + x, scores + x); break;
+            case 3: bf16_score_rows(b, keys, 3, pairs, raw + x, scores + x); break;
+            default: bf16_score_rows(b, keys, 4, pairs, raw + x, scores + x);
+            }
+            continue;
+        }
+#endif
+        const float *rows_q[4];
+        for (int r = 0; r < rows; r++) rows_q[r] = (const float *)q[x + r];
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+#define SCORE_ROWS(N) avx2_score_rows(keys, b->cache_dtype, N, pairs, rows_q, scores + x)
+#else
+#define SCORE_ROWS(N) score_rows(keys, b->cache_dtype, N, pairs, rows_q, scores + x)
+#endif
+        switch (rows) {
+        case 1: SCORE_ROWS(1); break;
+        case 2: SCORE_ROWS(2); break;
+        case 3: SCORE_ROWS(3); break;
+        default: SCORE_ROWS(4);
+        }
+#undef SCORE_ROWS
+    }
+}
+
+/* Where one KV head's keys of the tile whose first position `start` (a multiple of 16) begins
+ * start in the cache, in bytes from the keys' start. */
+static inline int64_t key_tile_offset(const Batch *b, int seq, int kv_head, int start, int head_dim)
+{
+    return tile_offset(b, seq, 0, start, head_dim) * dtype_size(b->cache_dtype)
+           + (int64_t)kv_head * KEY_TILE * head_dim * dtype_size(b->cache_dtype);
 }
 
 /* Rows x < rows (each seeing positions [first[x], visible[x])) take the scores of the tile of 16
@@ -325,6 +397,12 @@ static inline __attribute__((always_inline)) void load_query(
     for (int c = 0; c < chunks; c++) q[c] = load_lanes(src + c * LANES * item, b->query_dtype) * b->scale;
 }
 
+/* `head`'s query for `token` as it is (read only where the queries are bfloat16). */
+static inline const uint16_t *raw_query(const Batch *b, int64_t token, int head)
+{
+    return (const uint16_t *)b->query + token * b->query_token_stride + head * b->query_head_stride;
+}
+
 /* out's row for `head` of `token`: acc / denominator. */
 static inline __attribute__((always_inline)) void store_head(
     const Batch *b, int64_t token, int head, const int chunks, const vfloat acc[chunks], float denominator)
@@ -340,50 +418,41 @@ static inline __attribute__((always_inline)) void store_head(
 
 #if defined(AMX_TILES)
 /* ---- Scores on AMX tiles ---------------------------------------------------------------------
- * With bfloat16 queries and cache (and the tiles granted), a tile's q.k products run on AMX: the
- * first operand is the key rows of the 16 positions straight from the cache (32 dims a tile, the
- * stride between positions as the stride between rows), the second up to 16 query vectors packed
- * as pairs of dims, a column each. A column only meets its own KV head's keys: where a tile's
- * columns belong to several KV heads, each KV head's product has zeros in the others' columns, and
- * adding those exact zeros changes no sum, so a vector's scores are the same bits whichever
- * vectors share its tile (a decode row's equal those of a verification of draft tokens). The
- * 16 x 16 sums come out a row per position; transposed, each column becomes a vector's 16 scores,
- * as dot_tile leaves them, scaled after the products (the queries go in as they are). */
-#define AMX_KEYS 0 /* tile numbers: the intrinsics paste them into register names */
-#define AMX_QUERIES 1
+ * With bfloat16 queries and cache (and the tiles granted), a tile's q.k products run on AMX. A
+ * KV head's keys of a tile, 32 dims at a time, are as the cache keeps them the second operand of
+ * tdpbf16ps (16 rows of a pair of dims by 16 positions, 64 bytes apart); the first is up to 16
+ * query rows of 32 dims, copied once per item into a buffer (a tile's rows must be evenly
+ * spaced, and all 16 are read). The 16 x 16 sums come out a row per query: its 16 scores, scaled
+ * after the products (the queries go in as they are). A row's sums do not depend on the other
+ * rows of its tile, so a decode row's scores equal those of a verification of draft tokens. */
+#define AMX_QUERIES 0 /* tile numbers: the intrinsics paste them into register names */
+#define AMX_KEYS 1
 #define AMX_SCORES 2
-enum { AMX_DIMS = 32, AMX_COLUMNS = 16, PACKED_TILE = 16 * 32 };
+enum { AMX_DIMS = 32 };
 
-/* Column `column` of a score tile's packed queries (`packed`: a tile per KV head and 32 dims):
- * the query of `head` for `token`, which belongs to the tile's KV head number `slot`. */
-static void pack_column(const Batch *b, uint16_t *packed, int slot, int column, int64_t token, int head, int dim_tiles)
+/* Row `slot` of a query buffer (TILE_ROWS rows of head_dim bfloat16 values, zeros where unused):
+ * the query of `head` for `token`. */
+static void pack_query(const Batch *b, uint16_t *queries, int slot, int64_t token, int head, int head_dim)
 {
-    const uint16_t *q = (const uint16_t *)b->query + token * b->query_token_stride + head * b->query_head_stride;
-    for (int d = 0; d < dim_tiles * AMX_DIMS; d++)
-        packed[(slot * dim_tiles + d / AMX_DIMS) * PACKED_TILE + d % AMX_DIMS / 2 * 2 * AMX_COLUMNS + column * 2 + d % 2] = q[d];
+    memcpy(queries + slot * head_dim,
+           (const uint16_t *)b->query + token * b->query_token_stride + head * b->query_head_stride,
+           sizeof(uint16_t) * head_dim);
 }
 
-/* scores[n] = the scaled dot products of packed column n (< columns) with the key rows of the
- * tile whose first position's rows start at `keys`, KV heads kv_first .. kv_first + kv_count - 1
- * (each `row_bytes` after the last; positions `position_bytes` apart). */
-static inline void amx_dot_tile(const Batch *b, const char *keys, int64_t position_bytes, int kv_first, int kv_count,
-                                int dim_tiles, const uint16_t *packed, int columns, vfloat scores[])
+/* scores[x] = the scaled q.k of the buffer's rows x < n (`queries`, as pack_query fills it) with
+ * one KV head's keys of a tile (`keys`). */
+static inline void amx_score_keys(const Batch *b, const char *keys, const uint16_t *queries, int n, int head_dim,
+                                  vfloat scores[])
 {
-    const int64_t row_bytes = (int64_t)dim_tiles * AMX_DIMS * sizeof(uint16_t);
     _tile_zero(AMX_SCORES);
-    for (int slot = 0; slot < kv_count; slot++)
-        for (int k = 0; k < dim_tiles; k++) {
-            _tile_loadd(AMX_KEYS, keys + (kv_first + slot) * row_bytes + k * AMX_DIMS * sizeof(uint16_t), position_bytes);
-            _tile_loadd(AMX_QUERIES, packed + (slot * dim_tiles + k) * PACKED_TILE, AMX_COLUMNS * 2 * sizeof(uint16_t));
-            _tile_dpbf16ps(AMX_SCORES, AMX_KEYS, AMX_QUERIES);
-        }
-    float sums[16][16] __attribute__((aligned(64)));
+    for (int k = 0; k < head_dim / AMX_DIMS; k++) {
+        _tile_loadd(AMX_QUERIES, queries + k * AMX_DIMS, sizeof(uint16_t) * head_dim);
+        _tile_loadd(AMX_KEYS, keys + k * AMX_DIMS * KEY_TILE * sizeof(uint16_t), 2 * KEY_TILE * sizeof(uint16_t));
+        _tile_dpbf16ps(AMX_SCORES, AMX_QUERIES, AMX_KEYS);
+    }
+    float sums[TILE_ROWS][16] __attribute__((aligned(64)));
     _tile_stored(AMX_SCORES, sums, sizeof sums[0]);
-    __m512 rows_of[16];
-    for (int i = 0; i < 16; i++) rows_of[i] = _mm512_load_ps(sums[i]);
-    vfloat columns_of[16];
-    transpose_16x16(rows_of, columns_of);
-    for (int n = 0; n < columns; n++) scores[n] = columns_of[n] * b->scale;
+    for (int x = 0; x < n; x++) scores[x] = (vfloat)_mm512_load_ps(sums[x]) * b->scale;
 }
 #endif
 
@@ -401,25 +470,27 @@ static inline __attribute__((always_inline)) void attend_tile(
     float running_max[rows], total_max[rows], total_denominator[rows];
     vfloat lane_sums[rows];
     int visible[rows], first[rows];
+    const uint16_t *raw[rows];
     for (int x = 0; x < rows; x++) {
         load_query(b, row + x / group, kv_head * group + x % group, chunks, q[x]);
+        raw[x] = raw_query(b, row + x / group, kv_head * group + x % group);
         visible[x] = last_visible - (num_tokens - 1 - x / group);
         first[x] = window_start(b, visible[x]);
     }
     empty_segment(rows, chunks, running_max, lane_sums, acc);
     empty_softmax(rows, chunks, total_max, total_denominator, total_acc);
     const int head_dim = chunks * LANES;
-    const int64_t position_bytes = (int64_t)b->num_kv_heads * head_dim * dtype_size(b->cache_dtype);
+    const size_t cache_item = dtype_size(b->cache_dtype);
+    const int64_t position_bytes = (int64_t)b->num_kv_heads * head_dim * cache_item;
     const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
-    vfloat keys[LANES][chunks], values[LANES][chunks], weights[rows], scores[rows];
+    vfloat values[LANES][chunks], weights[rows], scores[rows];
 #if defined(AMX_TILES)
-    const int dim_tiles = head_dim / AMX_DIMS, column_tiles = (rows + AMX_COLUMNS - 1) / AMX_COLUMNS;
-    uint16_t packed[b->amx ? column_tiles * dim_tiles * PACKED_TILE : 1];
+    const int query_tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    uint16_t queries[b->amx ? query_tiles * TILE_ROWS * head_dim : 1];
     if (b->amx) {
-        memset(packed, 0, sizeof packed);
+        memset(queries, 0, sizeof queries);
         for (int x = 0; x < rows; x++)
-            pack_column(b, packed + x / AMX_COLUMNS * dim_tiles * PACKED_TILE, 0, x % AMX_COLUMNS, row + x / group,
-                        kv_head * group + x % group, dim_tiles);
+            pack_query(b, queries, x, row + x / group, kv_head * group + x % group, head_dim);
     }
 #endif
     /* Row 0 (the item's first token) has the earliest window; tiles stay LANES-aligned. */
@@ -428,28 +499,29 @@ static inline __attribute__((always_inline)) void attend_tile(
         if (start % SEGMENT == 0 && start != walk_start)
             close_segment(rows, chunks, running_max, lane_sums, acc, total_max, total_denominator, total_acc);
         const int len = last_visible - start < LANES ? last_visible - start : LANES;
-        const int64_t offset = tile_offset(b, seq, kv_head, start, head_dim) * dtype_size(b->cache_dtype);
+        const int64_t offset = tile_offset(b, seq, kv_head, start, head_dim) * cache_item;
+        const char *keys = b->keys + key_tile_offset(b, seq, kv_head, start, head_dim);
         /* Where the next tile's block does not follow this one's in memory, its rows are fetched
          * ahead: the hardware prefetchers follow a contiguous walk on their own, and prefetching
          * that too costs more than it saves (11-15% of a decode's attention, on the AMD machine). */
         const int next = start + LANES, next_block = next / b->block_size, this_block = start / b->block_size;
         if (next < last_visible && next_block != this_block && blocks[next_block] != blocks[this_block] + 1) {
-            const int64_t next_offset = tile_offset(b, seq, kv_head, next, head_dim) * dtype_size(b->cache_dtype);
+            const int64_t next_offset = tile_offset(b, seq, kv_head, next, head_dim) * cache_item;
+            const char *next_keys = b->keys + key_tile_offset(b, seq, kv_head, next, head_dim);
+            for (int64_t line = 0; line < KEY_TILE * head_dim * (int64_t)cache_item; line += 64)
+                __builtin_prefetch(next_keys + line);
             for (int p = 0; p < LANES; p++)
-                prefetch_rows(b, next_offset + p * position_bytes, head_dim * (int64_t)dtype_size(b->cache_dtype));
+                for (int64_t line = 0; line < head_dim * (int64_t)cache_item; line += 64)
+                    __builtin_prefetch(b->values + next_offset + p * position_bytes + line);
         }
 #if defined(AMX_TILES)
         if (b->amx) {
-            for (int x = 0; x < rows; x += AMX_COLUMNS)
-                amx_dot_tile(b, b->keys + offset, position_bytes, 0, 1, dim_tiles,
-                             packed + x / AMX_COLUMNS * dim_tiles * PACKED_TILE,
-                             rows - x < AMX_COLUMNS ? rows - x : AMX_COLUMNS, scores + x);
+            for (int x = 0; x < rows; x += TILE_ROWS)
+                amx_score_keys(b, keys, queries + x * head_dim, rows - x < TILE_ROWS ? rows - x : TILE_ROWS,
+                               head_dim, scores + x);
         } else
 #endif
-        {
-            load_tile(b->keys + offset, position_bytes, len, b->cache_dtype, chunks, keys);
-            dot_tile(start, rows, chunks, q, visible, first, keys, scores);
-        }
+            score_keys(b, keys, rows, chunks, q, raw, scores);
         softmax_tile(start, rows, chunks, visible, first, scores, running_max, lane_sums, acc, weights);
         load_tile(b->values + offset, position_bytes, len, b->cache_dtype, chunks, values);
         add_values(start, rows, chunks, visible, first, values, weights, acc);
@@ -457,27 +529,6 @@ static inline __attribute__((always_inline)) void attend_tile(
     close_segment(rows, chunks, running_max, lane_sums, acc, total_max, total_denominator, total_acc);
     for (int x = 0; x < rows; x++)
         store_head(b, row + x / group, kv_head * group + x % group, chunks, total_acc[x], total_denominator[x]);
-}
-
-/* tile[h][p] = KV head h's row at position p of the tile whose rows start at `rows`, for the
- * `len` positions in the context (zero past them), loaded position by position: a position's
- * rows of every KV head lie side by side, so the tile is read front to back. With `ahead` >= 0,
- * each position's keys and values of the tile `ahead` bytes into the cache are prefetched as
- * its rows are loaded. */
-static inline __attribute__((always_inline)) void load_positions(
-    const Batch *b, const char *rows, int len, int64_t ahead, const int chunks,
-    vfloat tile[b->num_kv_heads][LANES][chunks])
-{
-    const int kv_heads = b->num_kv_heads, dtype = b->cache_dtype;
-    const int64_t chunk_bytes = LANES * dtype_size(dtype), row_bytes = chunks * chunk_bytes;
-    const int64_t position_bytes = kv_heads * row_bytes;
-    for (int p = 0; p < LANES; p++) {
-        if (ahead >= 0) prefetch_rows(b, ahead + p * position_bytes, position_bytes);
-        for (int h = 0; h < kv_heads; h++)
-            for (int c = 0; c < chunks; c++)
-                tile[h][p][c] = p < len ? load_lanes(rows + p * position_bytes + h * row_bytes + c * chunk_bytes, dtype)
-                                        : (vfloat){0};
-    }
 }
 
 #if !defined(VECTORS_ARE_AVX2_PAIRS)
@@ -516,7 +567,7 @@ static inline __attribute__((always_inline)) void add_value_rows(
  * registers, where add_values loads and stores each sum at every position (64 decode rows over
  * 352 positions with the cache in L2, Xeon-AMX: 580-620 -> 410-470 us a layer). With `ahead`
  * >= 0 the next tile (`ahead` bytes into the cache) is prefetched into L2, spread over the
- * positions: fetched all at once into L1 (as load_positions does), the prefetches queue behind
+ * positions: fetched all at once into L1 (as the walk's key loads once did), the prefetches queue behind
  * each other, few L1 misses being in flight at a time (the same rows from memory: 1,235-1,341 ->
  * 1,166-1,280 us a layer). Each KV head's pass over the values prefetches the next 1/kv_heads
  * of the tile's bytes, so the tile is fetched front to back: fetched a KV head's rows at a time
@@ -567,19 +618,6 @@ static inline __attribute__((always_inline)) void avx2_widen_positions(
     const int64_t position_floats = (int64_t)b->num_kv_heads * chunks * LANES;
     const int dtype = b->cache_dtype;
     avx2_widen_rows(rows, position_floats * dtype_size(dtype), LANES, position_floats, dtype, widened);
-}
-
-/* scores[h] = the scores of every head's query q[h] with the tile from `rows`, widened into
- * `widened` first even from a float32 cache: the copy's run of loads ahead of the arithmetic
- * reads a decode step from memory faster than multiply-adds reading the keys in place (EPYC-AVX2,
- * docs/attention.md). */
-static inline __attribute__((always_inline)) void avx2_decode_scores(
-    const Batch *b, const char *rows, const int chunks, const vfloat q[][chunks], float *widened, vfloat scores[])
-{
-    const int group = b->num_heads / b->num_kv_heads, head_dim = chunks * LANES;
-    avx2_widen_positions(b, rows, chunks, widened);
-    for (int h = 0; h < b->num_heads; h++)
-        scores[h] = avx2_dot_rows(widened + h / group * head_dim, (int64_t)b->num_kv_heads * head_dim, chunks, q[h]);
 }
 
 /* acc[h] += the value rows of the tile from `rows` (`len` positions) weighted by weights[h],
@@ -641,33 +679,28 @@ static inline __attribute__((always_inline)) void attend_decode_row(
         visible[x] = last_visible;
         first[x] = first_visible;
     }
-    for (int h = 0; h < heads; h++) load_query(b, row, h, chunks, q[h]);
+    const uint16_t *raw[heads];
+    for (int h = 0; h < heads; h++) {
+        load_query(b, row, h, chunks, q[h]);
+        raw[h] = raw_query(b, row, h);
+    }
     empty_segment(heads, chunks, running_max, lane_sums, acc);
     empty_softmax(heads, chunks, total_max, total_denominator, total_acc);
     const int kv_heads = b->num_kv_heads, head_dim = chunks * LANES;
     const size_t cache_item = dtype_size(b->cache_dtype);
     const int32_t *blocks = b->block_tables + seq * b->block_table_stride;
-#if defined(AMX_TILES) || defined(VECTORS_ARE_AVX2_PAIRS)
     const int64_t position_bytes = (int64_t)kv_heads * head_dim * cache_item;
-#endif
+    const int64_t key_head_bytes = (int64_t)KEY_TILE * head_dim * cache_item; /* a KV head's keys of a tile */
     vfloat weights[heads], scores[heads];
 #if defined(VECTORS_ARE_AVX2_PAIRS)
     float widened[LANES * kv_heads * head_dim];
-#else
-    vfloat tile_rows[kv_heads][LANES][chunks];
 #endif
 #if defined(AMX_TILES)
-    /* Score tiles of whole groups: kv_per_tile KV heads' query vectors each. */
-    const int dim_tiles = head_dim / AMX_DIMS, kv_per_tile = AMX_COLUMNS / group;
-    const int column_tiles = (kv_heads + kv_per_tile - 1) / kv_per_tile;
-    uint16_t packed[b->amx ? column_tiles * kv_per_tile * dim_tiles * PACKED_TILE : 1];
+    /* Each KV head's group of query rows in its own buffer, the first operand of its scores. */
+    uint16_t queries[b->amx ? kv_heads * TILE_ROWS * head_dim : 1];
     if (b->amx) {
-        memset(packed, 0, sizeof packed);
-        for (int h = 0; h < heads; h++) {
-            const int t = h / group / kv_per_tile;
-            pack_column(b, packed + t * kv_per_tile * dim_tiles * PACKED_TILE, h / group % kv_per_tile,
-                        h - t * kv_per_tile * group, row, h, dim_tiles);
-        }
+        memset(queries, 0, sizeof queries);
+        for (int h = 0; h < heads; h++) pack_query(b, queries + h / group * TILE_ROWS * head_dim, h % group, row, h, head_dim);
     }
 #endif
     for (int tile = from; tile < to; tile += LANES) {
@@ -696,25 +729,16 @@ static inline __attribute__((always_inline)) void attend_decode_row(
              * a layer, 64 x 1,000: 2,453-2,466 -> 2,351-2,378; Xeon-AMX). */
             for (int64_t line = 0; line < len * position_bytes; line += 64)
                 _mm_prefetch(b->values + offset + line, _MM_HINT_T0);
-            for (int t = 0; t < column_tiles; t++) {
-                const int kv_first = t * kv_per_tile;
-                const int kv_count = kv_heads - kv_first < kv_per_tile ? kv_heads - kv_first : kv_per_tile;
-                amx_dot_tile(b, b->keys + offset, position_bytes, kv_first, kv_count, dim_tiles,
-                             packed + t * kv_per_tile * dim_tiles * PACKED_TILE, kv_count * group,
-                             scores + kv_first * group);
-            }
+            for (int kv_head = 0; kv_head < kv_heads; kv_head++)
+                amx_score_keys(b, b->keys + offset + kv_head * key_head_bytes,
+                               queries + kv_head * TILE_ROWS * head_dim, group, head_dim, scores + kv_head * group);
         } else
 #endif
         {
-#if defined(VECTORS_ARE_AVX2_PAIRS)
             for (int p = 0; jump && p < LANES; p++) prefetch_rows(b, ahead + p * position_bytes, position_bytes);
-            avx2_decode_scores(b, b->keys + offset, chunks, q, widened, scores);
-#else
-            load_positions(b, b->keys + offset, len, jump ? ahead : -1, chunks, tile_rows);
             for (int kv_head = 0; kv_head < kv_heads; kv_head++)
-                dot_tile(tile, group, chunks, q + kv_head * group, visible, first, tile_rows[kv_head],
-                         scores + kv_head * group);
-#endif
+                score_keys(b, b->keys + offset + kv_head * key_head_bytes, group, chunks, q + kv_head * group,
+                           raw + kv_head * group, scores + kv_head * group);
         }
         for (int kv_head = 0; kv_head < kv_heads; kv_head++) {
             const int h = kv_head * group;

@@ -12,6 +12,7 @@ import torch
 import kernel_builds
 from paged_batches import BATCHES, LAYOUTS, NUM_KV_HEADS, forward_beside_torch_backend, make_batch
 from strata.kernels import cpu_attention, reference
+from strata.kernels.cpu_kv_cache import tile_keys
 from strata.worker.attention import CpuAttentionBackend, get_attention_backend
 
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.skipif(not cpu_attention.is_available(), reason="no C c
 def run_kernel(b, sliding_window: int | None = None) -> torch.Tensor:
     meta = b.meta
     return cpu_attention.paged_attention(
-        b.query, b.kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, b.scale, sliding_window=sliding_window
+        b.query, tile_keys(b.kv_cache), meta.block_tables, meta.query_start_loc, meta.seq_lens, b.scale, sliding_window=sliding_window
     )
 
 
@@ -85,7 +86,7 @@ def test_decode_rows_walked_whole_equal_them_split_by_segment(sliding_window, dt
         torch.set_num_threads(2)
         whole = run_kernel(b, sliding_window)
         first_alone = cpu_attention.paged_attention(
-            b.query[:1], b.kv_cache, meta.block_tables[:1], meta.query_start_loc[:2], meta.seq_lens[:1], b.scale,
+            b.query[:1], tile_keys(b.kv_cache), meta.block_tables[:1], meta.query_start_loc[:2], meta.seq_lens[:1], b.scale,
             sliding_window=sliding_window,
         )
         torch.set_num_threads(8)
@@ -116,7 +117,7 @@ def assert_decode_rows_equal_a_verification(group: int, head_dim: int, sliding_w
     one_row = torch.tensor([0, 1], dtype=torch.int32)
     for token in range(4):
         alone = cpu_attention.paged_attention(
-            b.query[token : token + 1], b.kv_cache, b.meta.block_tables, one_row,
+            b.query[token : token + 1], tile_keys(b.kv_cache), b.meta.block_tables, one_row,
             torch.tensor([297 + token], dtype=torch.int32), b.scale, sliding_window=sliding_window,
         )
         assert torch.equal(alone[0], together[token])
@@ -158,8 +159,9 @@ def test_strided_query_view():
 def test_unsupported_shapes_are_refused_and_the_backend_falls_back(head_dim, block_size, group):
     b = make_batch(*BATCHES["mixed"], group, head_dim, block_size, torch.float32)
     assert not cpu_attention.supports(b.query.shape[1], NUM_KV_HEADS, head_dim, block_size)
+    meta = b.meta
     with pytest.raises(ValueError, match="not supported"):
-        run_kernel(b)
+        cpu_attention.paged_attention(b.query, b.kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, b.scale)
     new = torch.randn(b.query.shape[0], NUM_KV_HEADS, head_dim)
     out = CpuAttentionBackend().forward(b.query, new, new, b.kv_cache, b.meta, b.scale)
     assert_close(out, b.reference())
@@ -169,7 +171,7 @@ def test_sequences_with_long_chunks_are_left_and_the_rest_computed():
     b = make_batch(*BATCH_WITH_LONG_CHUNKS, 3, 64, 16, torch.bfloat16)
     meta = b.meta
     out = cpu_attention.paged_attention(
-        b.query, b.kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, b.scale, long_chunk_tokens=64
+        b.query, tile_keys(b.kv_cache), meta.block_tables, meta.query_start_loc, meta.seq_lens, b.scale, long_chunk_tokens=64
     )
     starts = meta.query_start_loc.tolist()
     computed = [row for s in range(len(starts) - 1) if starts[s + 1] - starts[s] < 64 for row in range(starts[s], starts[s + 1])]
@@ -182,7 +184,7 @@ def test_cpu_backend_matches_torch_backend(batch, sliding_window):
     """Whole forward: strided q/k/v views of one projection, K/V written, then attention."""
     group, head_dim = 3, 64
     b = make_batch(*batch, group, head_dim, 16, torch.bfloat16)
-    caches, outs = forward_beside_torch_backend(CpuAttentionBackend(), b, sliding_window)
+    caches, outs = forward_beside_torch_backend(CpuAttentionBackend(), b, sliding_window, keys_tiled=True)
     torch.testing.assert_close(caches[0], caches[1], atol=0, rtol=0)
     assert_close(outs[0], outs[1])
 
@@ -197,7 +199,7 @@ def test_a_float32_model_over_a_narrower_cache_matches_torch_backend(batch, cach
     tolerance."""
     b = make_batch(*batch, 3, 64, 16, torch.float32)
     b.kv_cache = b.kv_cache.to(cache_dtype)
-    caches, outs = forward_beside_torch_backend(CpuAttentionBackend(), b)
+    caches, outs = forward_beside_torch_backend(CpuAttentionBackend(), b, keys_tiled=True)
     assert reference.float8_as_bytes(caches[0]).equal(reference.float8_as_bytes(caches[1]))
     assert outs[0].dtype == torch.float32
     assert_close(outs[0], outs[1])

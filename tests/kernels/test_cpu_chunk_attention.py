@@ -16,6 +16,7 @@ import torch
 
 import kernel_builds
 from strata.kernels import cpu_attention, cpu_features, native
+from strata.kernels.cpu_kv_cache import tile_keys
 
 BLOCK_SIZE = 16
 AVX2 = "x86-64-v3"
@@ -96,7 +97,7 @@ def test_chunk_attention_equals_float64_attention_within_its_roundings(
 ):
     cache, blocks, query = paged_chunk(rows, context, heads, kv_heads, head_dim, dtype)
     out = torch.empty(rows, heads, head_dim, dtype=dtype)
-    assert cpu_attention.chunk_attention(query, cache, blocks, context, 0.125, out, sliding_window)
+    assert cpu_attention.chunk_attention(query, tile_keys(cache), blocks, context, 0.125, out, sliding_window)
     assert_within_roundings(out, expected_attention(cache, blocks, query, context, 0.125, sliding_window), cache[1])
 
 
@@ -113,7 +114,7 @@ def test_scores_rising_past_the_rescale_margin_tile_after_tile_are_attended_with
         cache[0, blocks[p // BLOCK_SIZE], p % BLOCK_SIZE] = ramp[p].to(dtype)
     query = (1 + 0.1 * torch.randn(rows, 9, 64, generator=torch.Generator().manual_seed(2))).to(dtype)
     out = torch.empty(rows, 9, 64, dtype=dtype)
-    assert cpu_attention.chunk_attention(query, cache, blocks, context, 0.125, out)
+    assert cpu_attention.chunk_attention(query, tile_keys(cache), blocks, context, 0.125, out)
     assert_within_roundings(out, expected_attention(cache, blocks, query, context, 0.125), cache[1])
 
 
@@ -122,7 +123,7 @@ def test_a_float32_query_over_a_narrower_cache_is_attended_in_float32(build, cac
     cache, blocks, query = paged_chunk(80, 200, 6, 2, 64, torch.float32)
     cache = cache.to(cache_dtype)
     out = torch.empty(80, 6, 64)
-    assert cpu_attention.chunk_attention(query, cache, blocks, 200, 0.125, out)
+    assert cpu_attention.chunk_attention(query, tile_keys(cache), blocks, 200, 0.125, out)
     assert_within_roundings(out, expected_attention(cache, blocks, query, 200, 0.125), cache[1].float())
 
 
@@ -134,7 +135,7 @@ def test_every_float8_code_reads_back_exactly(build):
     codes = torch.arange(256, dtype=torch.uint8).view(2, 128)
     cache.view(torch.uint8)[1, blocks[0].long(), 0] = codes
     out = torch.empty(64, 2, 128)
-    assert cpu_attention.chunk_attention(query, cache, blocks, 64, 0.125, out)
+    assert cpu_attention.chunk_attention(query, tile_keys(cache), blocks, 64, 0.125, out)
     torch.testing.assert_close(out[0], codes.view(torch.float8_e4m3fn).float(), atol=0, rtol=0, equal_nan=True)
 
 
@@ -145,7 +146,7 @@ def test_positions_outside_the_context_are_never_read(build):
     tail[100 % BLOCK_SIZE :] = float("nan")  # the last block's slots past the context
     cache[:, blocks[-1].long()] = tail
     out = torch.empty(64, 6, 64, dtype=torch.bfloat16)
-    assert cpu_attention.chunk_attention(query, cache, blocks, 100, 0.125, out)
+    assert cpu_attention.chunk_attention(query, tile_keys(cache), blocks, 100, 0.125, out)
     assert_within_roundings(out, expected, cache[1][blocks.long()].flatten(0, 1)[:100])
 
 
@@ -154,7 +155,7 @@ def test_chunks_the_kernel_does_not_take_are_left_untouched(build, what):
     head_dim = 72 if what == "head-dim-72" else 64
     cache, blocks, query = paged_chunk(64, 64, 4, 2, head_dim)
     out = torch.zeros(64, 4, head_dim, dtype=torch.float32 if what == "output-dtype" else torch.bfloat16)
-    assert not cpu_attention.chunk_attention(query, cache, blocks, 64, 0.125, out)
+    assert not cpu_attention.chunk_attention(query, tile_keys(cache), blocks, 64, 0.125, out)
     assert out.eq(0).all()
 
 
