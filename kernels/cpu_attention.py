@@ -1,5 +1,6 @@
-"""Paged attention on the CPU with the C kernel of ``csrc/paged_attention.c`` (same layouts and
-semantics as ``kernels.reference.paged_attention``)."""
+"""Paged attention on the CPU with the C kernel of ``csrc/paged_attention.c`` (the semantics of
+``kernels.reference.paged_attention``, over a cache whose keys are tiled as ``kernels.cpu_kv_cache``
+writes them)."""
 
 import torch
 
