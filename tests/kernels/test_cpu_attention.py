@@ -189,6 +189,15 @@ def test_cpu_backend_matches_torch_backend(batch, sliding_window):
     assert_close(outs[0], outs[1])
 
 
+def test_a_long_chunk_the_c_kernel_declines_is_attended_over_its_blocks_untiled(monkeypatch):
+    """Where ``chunk_attention`` takes no chunk (a work buffer it could not allocate), the backend
+    hands the reference each long chunk's blocks with their keys back in the reference's layout."""
+    monkeypatch.setattr(cpu_attention, "chunk_attention", lambda *args, **kwargs: False)
+    b = make_batch(*BATCH_WITH_LONG_CHUNKS, 3, 64, 16, torch.bfloat16)
+    caches, outs = forward_beside_torch_backend(CpuAttentionBackend(), b, keys_tiled=True)
+    assert_close(outs[0], outs[1])
+
+
 @pytest.mark.parametrize(
     "cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=["bf16-cache", "fp16-cache", "fp8-cache"]
 )
