@@ -263,6 +263,32 @@ def avx512_build(tmp_path_factory):
     yield from swapped_in("icelake-server", {"avx512f", "avx512bw", "avx512vl"}, tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def emulated_amx_build(tmp_path_factory):
+    """The kernel with its AMX bodies, the tiles emulated in C, in place of this CPU's own build:
+    on a CPU without AMX, what bfloat16 decode rows and verifications compute on one with it."""
+    library = kernel_builds.emulated_amx_build(["paged_attention.c"], ["paged_attention"], tmp_path_factory)
+    with kernel_builds.in_place_of_own_build(library):
+        yield
+
+
+@pytest.mark.parametrize("batch", [*BATCHES.values(), LONG_BATCH], ids=[*BATCHES, "long"])
+def test_the_emulated_amx_build_matches_reference_in_bfloat16(emulated_amx_build, batch):
+    b = make_batch(*batch, 3, 64, 16, torch.bfloat16)
+    assert_close(run_kernel(b), b.reference())
+
+
+@pytest.mark.parametrize("group", [3, 16])
+def test_the_emulated_amx_build_matches_reference_with_query_heads_filling_a_tile(emulated_amx_build, group):
+    b = make_batch(*LONG_BATCH, group, 128, 16, torch.bfloat16)
+    assert_close(run_kernel(b), b.reference())
+
+
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (5, 64), (6, 128)])
+def test_the_emulated_amx_build_gives_a_decode_row_the_bits_of_a_verification(emulated_amx_build, group, head_dim):
+    assert_decode_rows_equal_a_verification(group, head_dim, None, torch.bfloat16)
+
+
 @pytest.mark.parametrize("batch", [BATCHES["mixed"], LONG_BATCH], ids=["mixed", "long"])
 def test_the_avx512_build_without_amx_matches_reference_in_bfloat16(avx512_build, batch):
     b = make_batch(*batch, 3, 64, 16, torch.bfloat16)

@@ -3,7 +3,8 @@ the same values within what its roundings allow, in each build this CPU runs: th
 (for bfloat16, AMX tiles where the CPU has AMX, ``vdpbf16ps`` where it has AVX512-BF16, float32
 arithmetic otherwise), an AVX2 build and a portable one (float32 arithmetic whatever the dtypes;
 the portable build runs the 16-lane code AVX-512 builds run, in narrower registers) and, on a CPU
-with AVX512-BF16, a build of it without AMX (``vdpbf16ps``).
+with AVX512-BF16, a build of it without AMX (``vdpbf16ps``) and one whose AMX tiles are emulated
+in C (``kernel_builds.emulated_amx_build``).
 
 In bfloat16 the scores are exact products summed in float32; the bfloat16 kernel rounds the
 probabilities to bfloat16 (relative error at most 2^-9 each, so the weighted sum of values moves by
@@ -23,12 +24,14 @@ AVX2 = "x86-64-v3"
 PORTABLE = "x86-64"
 AVX512_BF16 = "cooperlake"  # AVX512-BF16 without AMX
 NEEDED_FLAGS = {AVX2: {"avx2"}, PORTABLE: set(), AVX512_BF16: {"avx512_bf16"}}
+EMULATED_AMX = "emulated AMX"
+BF16_BODIES = {AVX2: 0, PORTABLE: 0, AVX512_BF16: 1, EMULATED_AMX: 2}  # chunk_attention_bf16_body()
 
 
-@pytest.fixture(params=["native", AVX2, PORTABLE, AVX512_BF16], scope="module")
+@pytest.fixture(params=["native", AVX2, PORTABLE, AVX512_BF16, EMULATED_AMX], scope="module")
 def build(request, tmp_path_factory) -> None:
     """Each build this CPU runs: the kernels' own, then an AVX2 one of the chunk kernels, a
-    portable one and an AVX512-BF16 one without AMX."""
+    portable one, an AVX512-BF16 one without AMX and one with AMX tiles emulated in C."""
     if native.load_library() is None:
         pytest.skip("no C kernels on this machine")
     if request.param == "native":
@@ -36,10 +39,13 @@ def build(request, tmp_path_factory) -> None:
         return
     sources = ["chunk_attention.c", "chunk_attention_avx512bf16.c"]
     functions = ["chunk_attention", "chunk_attention_bf16", "chunk_attention_bf16_body"]
-    library = kernel_builds.runnable_build(
-        request.param, NEEDED_FLAGS[request.param], sources, functions, tmp_path_factory
-    )
-    assert library.chunk_attention_bf16_body() == (0 if request.param in (AVX2, PORTABLE) else 1)
+    if request.param == EMULATED_AMX:
+        library = kernel_builds.emulated_amx_build(sources, functions, tmp_path_factory)
+    else:
+        library = kernel_builds.runnable_build(
+            request.param, NEEDED_FLAGS[request.param], sources, functions, tmp_path_factory
+        )
+    assert library.chunk_attention_bf16_body() == BF16_BODIES[request.param]
     with kernel_builds.in_place_of_own_build(library):
         yield
 
@@ -164,7 +170,7 @@ def test_the_logged_body_for_long_chunks_follows_the_build_and_the_cpus_flags(bu
     expected = (
         "float32 arithmetic" if built_for in (AVX2, PORTABLE)
         else "AVX512-BF16 dot products" if built_for == AVX512_BF16
-        else "AMX tiles" if {"amx_tile", "amx_bf16"} <= flags
+        else "AMX tiles" if built_for == EMULATED_AMX or {"amx_tile", "amx_bf16"} <= flags
         else "AVX512-BF16 dot products" if "avx512_bf16" in flags
         else "float32 arithmetic"
     )
