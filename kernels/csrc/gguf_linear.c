@@ -1357,6 +1357,29 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) vfloat
 #endif
 }
 
+/* out = the float values of stored row `stored` of `cols` values of `type` blocks (either layout),
+ * rounded to `out_dtype`. */
+__attribute__((optimize("fp-contract=off"))) static void dequantize_row(const uint8_t *data, int type, int64_t cols,
+                                                                     int64_t stored, void *out, int out_dtype)
+{
+    const int base = type & ~INTERLEAVED;
+    const int64_t runs_per_row = cols / RUN, runs_per_block = block_values(type) / RUN;
+    const int64_t row_bytes = cols / block_values(type) * block_bytes(type);
+    const size_t item = dtype_size(out_dtype);
+    for (int64_t k = 0; k < runs_per_row; k++) {
+        struct DecodedRun run;
+        if (type & INTERLEAVED)
+            decode_interleaved_run(base, data + (stored / GROUP * runs_per_row + k) * GROUP * block_bytes(base),
+                                   (int)(stored % GROUP), &run);
+        else
+            decode_run(type, data + stored * row_bytes + k / runs_per_block * block_bytes(type),
+                       (int)(k % runs_per_block), &run);
+        char *destination = (char *)out + k * RUN * item;
+        store_lanes(half_run_values(base, &run, 0), out_dtype, destination);
+        store_lanes(half_run_values(base, &run, 1), out_dtype, destination + 16 * item);
+    }
+}
+
 /* out = the float values of `rows` rows of `cols` values each, stored as `type` blocks, rounded
  * to `out_dtype`: exactly ggml's float32 dequantization (half_run_values). With `ids`, out's row
  * n is stored row ids[n] (an embedding lookup), else stored row n; `stored_rows` rows are
@@ -1370,31 +1393,19 @@ __attribute__((optimize("fp-contract=off"))) int gguf_dequantize(
     for (int64_t n = 0; ids && n < rows; n++)
         if (ids[n] < 0 || ids[n] >= stored_rows) return GGUF_ROW_OUT_OF_RANGE;
     if (cols % block_values(type) || (type & INTERLEAVED && !ids && rows % GROUP)) return GGUF_BAD_SHAPE;
-    const int base = type & ~INTERLEAVED;
-    const int64_t runs_per_row = cols / RUN, runs_per_block = block_values(type) / RUN;
-    const int64_t row_bytes = cols / block_values(type) * block_bytes(type);
-    const size_t item = dtype_size(out_dtype);
 #if defined(__AVX512BW__)
     if (type & INTERLEAVED && !ids) {
-        dequantize_interleaved(base, data, rows, cols, out, out_dtype, num_threads);
+        dequantize_interleaved(type & ~INTERLEAVED, data, rows, cols, out, out_dtype, num_threads);
         return GGUF_OK;
     }
 #endif
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t n = 0; n < rows; n++) {
-        const int64_t stored = ids ? ids[n] : n;
-        for (int64_t k = 0; k < runs_per_row; k++) {
-            struct DecodedRun run;
-            if (type & INTERLEAVED)
-                decode_interleaved_run(base, data + (stored / GROUP * runs_per_row + k) * GROUP * block_bytes(base),
-                                       (int)(stored % GROUP), &run);
-            else
-                decode_run(type, data + stored * row_bytes + k / runs_per_block * block_bytes(type),
-                           (int)(k % runs_per_block), &run);
-            char *destination = (char *)out + (n * cols + k * RUN) * item;
-            store_lanes(half_run_values(base, &run, 0), out_dtype, destination);
-            store_lanes(half_run_values(base, &run, 1), out_dtype, destination + 16 * item);
-        }
+    if (rows == 1) { /* a decode step's embedding lookup: outside any parallel region (layers.c) */
+        dequantize_row(data, type, cols, ids ? ids[0] : 0, out, out_dtype);
+        return GGUF_OK;
     }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t n = 0; n < rows; n++)
+        dequantize_row(data, type, cols, ids ? ids[n] : n, (char *)out + n * cols * (int64_t)dtype_size(out_dtype),
+                       out_dtype);
     return GGUF_OK;
 }

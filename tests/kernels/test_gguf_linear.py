@@ -129,6 +129,18 @@ def test_interleaved_linear_is_within_activation_rounding_of_the_dequantized_mat
     assert_within_activation_rounding(out - bias, x, reference_weight(type_name, blocks))
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_row_alone_gets_the_bits_it_gets_among_other_rows(body: str, type_name: str) -> None:
+    """A decode step's one row splits each sum into chains the rows of a bigger step do not: the
+    integer sums are the same, and so are the outputs, bit for bit."""
+    blocks = random_blocks(type_name, 48, 512, seed=5)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5)) * 4
+    matrix = gguf_linear.QuantizedMatrix([gguf_linear.interleaved(part_of(type_name, blocks))], 512)
+    together = gguf_linear.linear(x, matrix)
+    for row in range(5):
+        assert torch.equal(gguf_linear.linear(x[row : row + 1], matrix), together[row : row + 1])
+
+
 def assert_equal_to_the_matmul_of_bfloat16_weights(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
     x64, w64 = x.double(), weight.bfloat16().double()
     error = (out.double() - x64 @ w64.T).abs()
@@ -262,10 +274,11 @@ def test_parts_the_interleaved_kernel_does_not_take_stay_as_stored(type_name: st
     assert gguf_linear.interleaved(part) is part
 
 
+@pytest.mark.parametrize("ids", [[[31, 0, 7], [7, 16, 15]], [21]], ids=["several", "one as a decode step's"])
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q6_K"])
-def test_a_lookup_gives_the_stored_rows_it_names_in_either_layout(body: str, type_name: str) -> None:
+def test_a_lookup_gives_the_stored_rows_it_names_in_either_layout(body: str, type_name: str, ids: list) -> None:
     blocks = random_blocks(type_name, 32, 256)
-    ids = torch.tensor([[31, 0, 7], [7, 16, 15]])
+    ids = torch.tensor(ids)
     expected = reference_weight(type_name, blocks)[ids]
     for part in (part_of(type_name, blocks), gguf_linear.interleaved(part_of(type_name, blocks))):
         assert torch.equal(gguf_linear.lookup(part, 256, ids, torch.float32), expected)
