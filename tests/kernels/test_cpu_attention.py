@@ -278,8 +278,8 @@ def test_the_emulated_amx_build_matches_reference_in_bfloat16(emulated_amx_build
     assert_close(run_kernel(b), b.reference())
 
 
-@pytest.mark.parametrize("group", [3, 16])
-def test_the_emulated_amx_build_matches_reference_with_query_heads_filling_a_tile(emulated_amx_build, group):
+@pytest.mark.parametrize("group", [3, 16])  # 16 query heads of a KV head fill a score tile's rows
+def test_the_emulated_amx_build_matches_reference_at_head_dim_128(emulated_amx_build, group):
     b = make_batch(*LONG_BATCH, group, 128, 16, torch.bfloat16)
     assert_close(run_kernel(b), b.reference())
 
