@@ -66,11 +66,9 @@ static void pack_tile(const uint16_t *key_cache, const uint16_t *value_cache, co
     const uint16_t *value_rows = valid > 0 ? value_cache + slot * kv_heads * head_dim + (int64_t)h * head_dim : NULL;
     const int64_t stride = (int64_t)kv_heads * head_dim;
     if (valid > 0) memcpy(keys, key_cache + key_index(slot, h, 0, kv_heads, head_dim), sizeof(uint16_t) * SUB * head_dim);
-    if (valid < SUB)
-        for (int j = 0; j < head_dim / 2; j++) {
-            const int from = valid > 0 ? valid : 0;
-            memset(keys + (j * SUB + from) * 2, 0, sizeof(uint16_t) * 2 * (SUB - from));
-        }
+    const int from = valid > 0 ? valid : 0; /* the first position past the context */
+    for (int j = 0; from < SUB && j < head_dim / 2; j++)
+        memset(keys + (j * SUB + from) * 2, 0, sizeof(uint16_t) * 2 * (SUB - from));
     const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                          39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));

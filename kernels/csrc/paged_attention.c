@@ -251,6 +251,9 @@ static inline __attribute__((always_inline)) void score_keys(
     const uint16_t *const raw[], vfloat scores[])
 {
     const int pairs = chunks * LANES / 2;
+#if !defined(__AVX512BF16__)
+    (void)raw; /* the bfloat16 body's input */
+#endif
     for (int x = 0; x < n; x += 4) {
         const int rows = n - x < 4 ? n - x : 4;
 #if defined(__AVX512BF16__)
