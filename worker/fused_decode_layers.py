@@ -9,7 +9,7 @@ float32 weights, its block types' rows on GGUF blocks, see ``worker/cpu_linear_p
 modules in the others. A rank alone in its
 tensor-parallel group, all of whose layers are fused, runs them all in one call instead
 (``FusedDecoderStack``): no all-reduce separates the halves, so no Python needs to run between
-them either.
+them either, and for a few rows on GGUF blocks the C call runs them all in one parallel region.
 """
 
 import ctypes

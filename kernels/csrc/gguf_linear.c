@@ -785,14 +785,14 @@ static void interleaved_group(
     }
 }
 
-/* The parts of `matrix`, all in the interleaved layout, in one parallel region over all their
- * groups: a merged q/k/v or gate/up pays for one fork and join of the threads, not one per part.
+/* The groups of the parts of `matrix`, all in the interleaved layout, shared among the threads of
+ * the region it is called in (each thread's groups the same in every panel; no barrier after).
  * The activation rows go PANEL_BYTES of them at a time, each thread taking the same groups in
  * every panel: a panel stays in L2 while the thread's groups pass over it, where a long prefill
  * chunk's rows read whole for each group would come from L3 every time. */
-static void interleaved_matrix(
+static void interleaved_groups(
     const struct QuantizedMatrix *matrix, int64_t in_features, const struct QuantizedRun *x, int64_t rows,
-    const float *bias, char *out, int64_t out_features, int out_dtype, int num_threads)
+    const float *bias, char *out, int64_t out_features, int out_dtype)
 {
     int64_t first_group[4] = {0};
     for (int p = 0; p < matrix->parts; p++) first_group[p + 1] = first_group[p] + matrix->rows[p] / GROUP;
@@ -800,7 +800,6 @@ static void interleaved_matrix(
     const int64_t runs_per_row = in_features / RUN;
     int64_t panel = PANEL_BYTES / (runs_per_row * (int64_t)sizeof *x) / GROUP_ROWS * GROUP_ROWS;
     if (panel < GROUP_ROWS) panel = GROUP_ROWS;
-#pragma omp parallel num_threads(num_threads)
     for (int64_t row = 0; row < rows; row += panel) {
         const int64_t panel_rows = rows - row < panel ? rows - row : panel;
 #pragma omp for schedule(static) nowait
@@ -814,6 +813,16 @@ static void interleaved_matrix(
                               out + (row * out_features + column) * item, out_features, out_dtype);
         }
     }
+}
+
+/* The parts of `matrix`, all in the interleaved layout, in one parallel region over all their
+ * groups: a merged q/k/v or gate/up pays for one fork and join of the threads, not one per part. */
+static void interleaved_matrix(
+    const struct QuantizedMatrix *matrix, int64_t in_features, const struct QuantizedRun *x, int64_t rows,
+    const float *bias, char *out, int64_t out_features, int out_dtype, int num_threads)
+{
+#pragma omp parallel num_threads(num_threads)
+    interleaved_groups(matrix, in_features, x, rows, bias, out, out_features, out_dtype);
 }
 
 #if defined(__AVX512BW__)
@@ -1135,6 +1144,19 @@ static void dot_group_rows(uint16_t *const weights[2], int pair, int64_t runs, c
  * (a panel stays in L2), each thread dequantizing its pairs of groups once per panel. With
  * `swiglu` (quantized_swiglu's), out holds silu(gate) * up, out_features / 2 a row, and group g
  * of the gates pairs with group g of the ups; otherwise groups 2p and 2p + 1. */
+/* Whether `rows` bfloat16 rows multiply the interleaved `matrix` by bfloat16 products: on AMX
+ * tiles from AMX_MIN_ROWS rows where they are granted, else by vdpbf16ps from its measured
+ * bfloat16_dot_rows. */
+static int takes_bfloat16_products(const struct QuantizedMatrix *matrix, int64_t rows)
+{
+#if defined(AMX_TILES)
+    const int64_t min_rows = amx_permitted() ? AMX_MIN_ROWS : matrix->bfloat16_dot_rows;
+#else
+    const int64_t min_rows = matrix->bfloat16_dot_rows;
+#endif
+    return min_rows && rows >= min_rows;
+}
+
 static int bfloat16_interleaved_matrix(const struct QuantizedMatrix *matrix, int64_t in_features, const uint16_t *x,
                                        int64_t rows, const float *bias, char *out, int64_t out_features,
                                        int out_dtype, int num_threads, int swiglu)
@@ -1143,11 +1165,9 @@ static int bfloat16_interleaved_matrix(const struct QuantizedMatrix *matrix, int
     const int amx = amx_permitted();
     enum { ROW_BLOCK = 2 * TILE_ROWS };
 #else
-    const int amx = 0;
     enum { ROW_BLOCK = DOT_ROWS };
 #endif
-    const int64_t min_rows = amx ? AMX_MIN_ROWS : matrix->bfloat16_dot_rows;
-    if (!min_rows || rows < min_rows) return 0;
+    if (!takes_bfloat16_products(matrix, rows)) return 0;
     int64_t first_group[4] = {0};
     for (int p = 0; p < matrix->parts; p++) first_group[p + 1] = first_group[p] + matrix->rows[p] / GROUP;
     const int64_t groups = first_group[matrix->parts], runs = in_features / RUN;
@@ -1321,6 +1341,51 @@ int quantized_swiglu(const struct QuantizedMatrix *matrix, const void *x, int x_
     if (linear_status == GGUF_OK) silu_and_mul(gate_up, out, rows, (int)(out_features / 2), out_dtype, num_threads);
     free(gate_up);
     return linear_status;
+}
+
+/* ---- Inside a parallel region -----------------------------------------------------------------
+ * A decode step's stack of layers runs in one parallel region (decoder_layer.c), through
+ * quantized_linear's int16 path in these two parts. */
+
+/* Whether quantized_linear_in_region multiplies `matrix` for `rows` rows of `x_dtype`: every part
+ * interleaved, and a step the int16 kernel takes (not the bfloat16 products'). */
+int quantized_linear_in_region_supports(const struct QuantizedMatrix *matrix, int x_dtype, int64_t rows)
+{
+    for (int p = 0; p < matrix->parts; p++)
+        if (!(matrix->types[p] & INTERLEAVED)) return 0;
+#if defined(__AVX512BF16__)
+    if (x_dtype == DTYPE_BFLOAT16 && takes_bfloat16_products(matrix, rows)) return 0;
+#else
+    (void)x_dtype;
+    (void)rows;
+#endif
+    return 1;
+}
+
+/* Bytes of the quantized activations of `rows` rows of `in_features` values. */
+size_t quantized_activations_bytes(int64_t rows, int64_t in_features)
+{
+    return sizeof(struct QuantizedRun) * (size_t)(rows * (in_features / RUN));
+}
+
+/* quantized_linear's activations, every row on the calling thread, into `quantized`
+ * (quantized_activations_bytes of them, aligned to 64 bytes). */
+void quantize_activations(const void *x, int x_dtype, int64_t rows, int64_t in_features, void *quantized)
+{
+    struct QuantizedRun *runs = quantized;
+    for (int64_t m = 0; m < rows; m++) quantize_row(x, x_dtype, m, in_features, runs + m * (in_features / RUN));
+}
+
+/* quantized_linear's int16 path on activations quantize_activations quantized (each thread may
+ * pass its own copy), for a matrix quantized_linear_in_region_supports: its groups shared among
+ * the threads of the region it is called in; returns after their barrier. */
+void quantized_linear_in_region(const struct QuantizedMatrix *matrix, const void *quantized, int64_t rows,
+                                int64_t in_features, const float *bias, void *out, int out_dtype)
+{
+    int64_t out_features = 0;
+    for (int p = 0; p < matrix->parts; p++) out_features += matrix->rows[p];
+    interleaved_groups(matrix, in_features, quantized, rows, bias, out, out_features, out_dtype);
+#pragma omp barrier
 }
 
 /* The 16 values of a decoded half-run, in float32: exactly ggml's float32 dequantization, one

@@ -1,5 +1,6 @@
 /* The kernels that other kernels call: decoder_layer.c strings them together. */
 #pragma once
+#include <stddef.h>
 #include <stdint.h>
 
 void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int width, int dtype,
@@ -67,6 +68,34 @@ int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, c
 /* One linear's LoRA slots in kernels/lora.py's layout: a [in_features][parts][slots][max_rank],
  * b [slots][max_rank][sum of rows] (each part's B in its own columns, the scale folded in), both
  * in `dtype`; rows[p] is part p's output columns. */
+/* The pieces decoder_layer.c runs a decode step's stack of layers with in one parallel region.
+ * Those with a `shared` flag share their rows among the region's threads (returning after their
+ * barrier) or, without it, do them all on the calling thread; quantize_activations always does;
+ * attention_in_region and quantized_linear_in_region share their work (returning after a barrier). */
+struct AttentionWork;
+void rms_norm_rows(const void *x, void *residual, const void *weight, void *out, int64_t rows, int width,
+                   int dtype, float eps, int shared);
+void rotary_rows(void *x, int64_t row_stride, int64_t rows, int heads, int head_dim, int dtype, const float *cos,
+                 const float *sin, int shared);
+void silu_and_mul_rows(const void *gate_up, void *out, int64_t rows, int width, int dtype, int shared);
+int kv_slots_valid(const int64_t *slot_mapping, int64_t num_tokens, int64_t num_slots, int head_dim);
+void write_kv_rows(const void *key, int64_t key_stride, const void *value, int64_t value_stride, int dtype,
+                   void *kv_cache, int64_t num_slots, int cache_dtype, int num_kv_heads, int head_dim,
+                   const int64_t *slot_mapping, int64_t num_tokens, int shared);
+struct AttentionWork *attention_work(
+    const void *query, int64_t query_token_stride, int64_t query_head_stride, int query_dtype,
+    const void *kv_cache, int cache_dtype, int64_t num_blocks, int block_size, int num_kv_heads, int head_dim,
+    const int32_t *block_tables, int64_t block_table_stride, const int32_t *query_start_loc,
+    const int32_t *seq_lens, int num_seqs, int num_heads, int sliding_window, int long_chunk_tokens, float scale,
+    void *out, int num_threads);
+void attention_in_region(const struct AttentionWork *work);
+void attention_work_free(struct AttentionWork *work);
+int quantized_linear_in_region_supports(const struct QuantizedMatrix *matrix, int x_dtype, int64_t rows);
+size_t quantized_activations_bytes(int64_t rows, int64_t in_features);
+void quantize_activations(const void *x, int x_dtype, int64_t rows, int64_t in_features, void *quantized);
+void quantized_linear_in_region(const struct QuantizedMatrix *matrix, const void *quantized, int64_t rows,
+                                int64_t in_features, const float *bias, void *out, int out_dtype);
+
 struct LoraPool {
     int32_t parts, slots, max_rank, dtype;
     int64_t in_features;

@@ -31,36 +31,64 @@ static inline void scatter_pairs(char *dst, const char *src, int pairs, size_t i
     }
 }
 
-/* write_kv_cache's tokens, shared among the threads of the region it is called in: each value
- * row whole, each key row a pair of dims at a time into its tile (kv_layout.h). */
-static void write_rows(const char *key, int64_t key_stride, const char *value, int64_t value_stride, int dtype,
-                       char *keys, char *values, int cache_dtype, int kv_heads, int head_dim,
-                       const int64_t *slot_mapping, int64_t num_tokens)
+/* Token t's key and value rows into its slot: the value row whole, the key row a pair of dims at
+ * a time into its tile (kv_layout.h). */
+static inline void write_token(const char *key, int64_t key_stride, const char *value, int64_t value_stride,
+                               int dtype, char *keys, char *values, int cache_dtype, int kv_heads, int head_dim,
+                               const int64_t *slot_mapping, int64_t t)
 {
     const size_t item = dtype_size(dtype), cache_item = dtype_size(cache_dtype);
     const int row_width = kv_heads * head_dim;
-#pragma omp for
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const int64_t slot = slot_mapping[t];
-        if (slot == -1) continue;
-        const char *key_row = key + t * key_stride * item;
-        if (dtype == cache_dtype) {
-            for (int h = 0; h < kv_heads; h++)
-                scatter_pairs(keys + key_index(slot, h, 0, kv_heads, head_dim) * cache_item,
-                              key_row + (int64_t)h * head_dim * item, head_dim / 2, item);
-            memcpy(values + slot * row_width * cache_item, value + t * value_stride * item, row_width * item);
-            continue;
-        }
-        float row[row_width];
-        load_row(key_row, dtype, row, row_width);
-        char converted[row_width * cache_item];
-        store_row(row, cache_dtype, converted, row_width);
+    const int64_t slot = slot_mapping[t];
+    if (slot == -1) return;
+    const char *key_row = key + t * key_stride * item;
+    if (dtype == cache_dtype) {
         for (int h = 0; h < kv_heads; h++)
             scatter_pairs(keys + key_index(slot, h, 0, kv_heads, head_dim) * cache_item,
-                          converted + (int64_t)h * head_dim * cache_item, head_dim / 2, cache_item);
-        load_row(value + t * value_stride * item, dtype, row, row_width);
-        store_row(row, cache_dtype, values + slot * row_width * cache_item, row_width);
+                          key_row + (int64_t)h * head_dim * item, head_dim / 2, item);
+        memcpy(values + slot * row_width * cache_item, value + t * value_stride * item, row_width * item);
+        return;
     }
+    float row[row_width];
+    load_row(key_row, dtype, row, row_width);
+    char converted[row_width * cache_item];
+    store_row(row, cache_dtype, converted, row_width);
+    for (int h = 0; h < kv_heads; h++)
+        scatter_pairs(keys + key_index(slot, h, 0, kv_heads, head_dim) * cache_item,
+                      converted + (int64_t)h * head_dim * cache_item, head_dim / 2, cache_item);
+    load_row(value + t * value_stride * item, dtype, row, row_width);
+    store_row(row, cache_dtype, values + slot * row_width * cache_item, row_width);
+}
+
+/* write_kv_cache's tokens, on slots the caller checked (kv_slots_valid): shared among the threads
+ * of the region it is called in (`shared`; all on the caller outside any region), or all on the
+ * calling thread (not `shared`). */
+void write_kv_rows(const void *key, int64_t key_stride, const void *value, int64_t value_stride, int dtype,
+                   void *kv_cache, int64_t num_slots, int cache_dtype, int num_kv_heads, int head_dim,
+                   const int64_t *slot_mapping, int64_t num_tokens, int shared)
+{
+    const int64_t row_width = (int64_t)num_kv_heads * head_dim;
+    char *keys = kv_cache, *values = (char *)kv_cache + num_slots * row_width * dtype_size(cache_dtype);
+#define WRITE_TOKEN(t)                                                                                          \
+    write_token(key, key_stride, value, value_stride, dtype, keys, values, cache_dtype, num_kv_heads, head_dim, \
+                slot_mapping, t)
+    if (shared) {
+#pragma omp for
+        for (int64_t t = 0; t < num_tokens; t++) WRITE_TOKEN(t);
+    } else {
+        for (int64_t t = 0; t < num_tokens; t++) WRITE_TOKEN(t);
+    }
+#undef WRITE_TOKEN
+}
+
+/* Whether write_kv_cache takes these slots and this cache: every slot -1 or inside it, whole
+ * tiles of slots, pairs of dims. */
+int kv_slots_valid(const int64_t *slot_mapping, int64_t num_tokens, int64_t num_slots, int head_dim)
+{
+    if (num_slots % KEY_TILE || head_dim % 2) return 0;
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slot_mapping[t] < -1 || slot_mapping[t] >= num_slots) return 0;
+    return 1;
 }
 
 /* Token t's key and value rows (num_kv_heads * head_dim elements of `dtype`, at key +
@@ -72,20 +100,16 @@ int write_kv_cache(const void *key, int64_t key_stride, const void *value, int64
                    void *kv_cache, int64_t num_slots, int cache_dtype, int num_kv_heads, int head_dim,
                    const int64_t *slot_mapping, int64_t num_tokens, int num_threads)
 {
-    if (num_slots % KEY_TILE || head_dim % 2) return -1;
-    for (int64_t t = 0; t < num_tokens; t++)
-        if (slot_mapping[t] < -1 || slot_mapping[t] >= num_slots) return -1;
-    const int64_t row_width = (int64_t)num_kv_heads * head_dim;
-    char *keys = kv_cache, *values = (char *)kv_cache + num_slots * row_width * dtype_size(cache_dtype);
+    if (!kv_slots_valid(slot_mapping, num_tokens, num_slots, head_dim)) return -1;
     /* Few tokens on the calling thread alone, outside any parallel region (layers.c says why). */
     if (num_tokens < PARALLEL_MIN_TOKENS) {
-        write_rows(key, key_stride, value, value_stride, dtype, keys, values, cache_dtype, num_kv_heads, head_dim,
-                   slot_mapping, num_tokens);
+        write_kv_rows(key, key_stride, value, value_stride, dtype, kv_cache, num_slots, cache_dtype, num_kv_heads,
+                      head_dim, slot_mapping, num_tokens, 0);
         return 0;
     }
 #pragma omp parallel num_threads(num_threads)
-    write_rows(key, key_stride, value, value_stride, dtype, keys, values, cache_dtype, num_kv_heads, head_dim,
-               slot_mapping, num_tokens);
+    write_kv_rows(key, key_stride, value, value_stride, dtype, kv_cache, num_slots, cache_dtype, num_kv_heads,
+                  head_dim, slot_mapping, num_tokens, 1);
     return 0;
 }
 

@@ -104,33 +104,47 @@ static inline __attribute__((always_inline)) void rms_norm_row(
                           lanes_in(c, width));
 }
 
-/* rms_norm's rows, shared among the threads of the region it is called in (or all on the caller). */
-static void rms_norm_rows(const void *x, void *residual, const void *weight, void *out, int64_t rows, int width,
-                          int dtype, float eps)
+/* rms_norm's rows: shared among the threads of the region it is called in (`shared`; all on the
+ * caller outside any region), or all on the calling thread (not `shared`). */
+void rms_norm_rows(const void *x, void *residual, const void *weight, void *out, int64_t rows, int width,
+                   int dtype, float eps, int shared)
 {
     const size_t item = dtype_size(dtype);
     const int chunks = (width + LANES - 1) / LANES;
 #if defined(VECTORS_ARE_AVX2_PAIRS)
     if (dtype == DTYPE_FLOAT32) { /* its rows read the weight in place */
+#define AVX2_RMS_NORM_ROW(r)                                                                                  \
+    avx2_rms_norm_row((const float *)x + (r) * width, residual ? (float *)residual + (r) * width : NULL, \
+                      (const float *)weight, (float *)out + (r) * width, width, eps)
+        if (shared) {
 #pragma omp for
-        for (int64_t r = 0; r < rows; r++)
-            avx2_rms_norm_row((const float *)x + r * width, residual ? (float *)residual + r * width : NULL,
-                              (const float *)weight, (float *)out + r * width, width, eps);
+            for (int64_t r = 0; r < rows; r++) AVX2_RMS_NORM_ROW(r);
+        } else {
+            for (int64_t r = 0; r < rows; r++) AVX2_RMS_NORM_ROW(r);
+        }
+#undef AVX2_RMS_NORM_ROW
         return;
     }
 #endif
     vfloat w[chunks];
     for (int c = 0; c < chunks; c++)
         w[c] = load_first_lanes((const char *)weight + c * LANES * item, dtype, lanes_in(c, width));
-#pragma omp for
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t row = r * width * item;
 #define RMS_NORM_ROW(DTYPE)                                                                                        \
     rms_norm_row((const char *)x + row, residual ? (char *)residual + row : NULL, w, (char *)out + row, width, \
                  chunks, eps, DTYPE)
-        FOR_DTYPE(dtype, RMS_NORM_ROW);
-#undef RMS_NORM_ROW
+    if (shared) {
+#pragma omp for
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t row = r * width * item;
+            FOR_DTYPE(dtype, RMS_NORM_ROW);
+        }
+    } else {
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t row = r * width * item;
+            FOR_DTYPE(dtype, RMS_NORM_ROW);
+        }
     }
+#undef RMS_NORM_ROW
 }
 
 /* For each of `rows` rows of `width`: when `residual` is given, residual = x + residual
@@ -139,11 +153,11 @@ void rms_norm(const void *x, void *residual, const void *weight, void *out, int6
               float eps, int num_threads)
 {
     if (rows * width < PARALLEL_MIN_ELEMENTS) {
-        rms_norm_rows(x, residual, weight, out, rows, width, dtype, eps);
+        rms_norm_rows(x, residual, weight, out, rows, width, dtype, eps, 0);
         return;
     }
 #pragma omp parallel num_threads(num_threads)
-    rms_norm_rows(x, residual, weight, out, rows, width, dtype, eps);
+    rms_norm_rows(x, residual, weight, out, rows, width, dtype, eps, 1);
 }
 
 /* One row of rotary_embedding: `heads` heads from `row`, by the row's angles (cos, sin: head_dim / 2 each). */
@@ -165,19 +179,22 @@ static inline __attribute__((always_inline)) void rotary_row(
     }
 }
 
-/* rotary_embedding's rows, shared among the threads of the region it is called in. */
-static void rotary_rows(void *x, int64_t row_stride, int64_t rows, int heads, int head_dim, int dtype,
-                        const float *cos, const float *sin)
+/* rotary_embedding's rows: shared among the threads of the region it is called in (`shared`; all
+ * on the caller outside any region), or all on the calling thread (not `shared`). */
+void rotary_rows(void *x, int64_t row_stride, int64_t rows, int heads, int head_dim, int dtype, const float *cos,
+                 const float *sin, int shared)
 {
     const size_t item = dtype_size(dtype);
     const int half = head_dim / 2;
-#pragma omp for
-    for (int64_t r = 0; r < rows; r++) {
 #define ROTARY_ROW(DTYPE)                                                                                            \
     rotary_row((char *)x + r * row_stride * item, heads, head_dim, cos + r * half, sin + r * half, DTYPE)
-        FOR_DTYPE(dtype, ROTARY_ROW);
-#undef ROTARY_ROW
+    if (shared) {
+#pragma omp for
+        for (int64_t r = 0; r < rows; r++) FOR_DTYPE(dtype, ROTARY_ROW);
+    } else {
+        for (int64_t r = 0; r < rows; r++) FOR_DTYPE(dtype, ROTARY_ROW);
     }
+#undef ROTARY_ROW
 }
 
 /* Rotates, in place, `heads` consecutive heads of each of `rows` rows (row r starts at
@@ -187,11 +204,11 @@ void rotary_embedding(void *x, int64_t row_stride, int64_t rows, int heads, int 
                       const float *cos, const float *sin, int num_threads)
 {
     if (rows * heads * head_dim < PARALLEL_MIN_ELEMENTS) {
-        rotary_rows(x, row_stride, rows, heads, head_dim, dtype, cos, sin);
+        rotary_rows(x, row_stride, rows, heads, head_dim, dtype, cos, sin, 0);
         return;
     }
 #pragma omp parallel num_threads(num_threads)
-    rotary_rows(x, row_stride, rows, heads, head_dim, dtype, cos, sin);
+    rotary_rows(x, row_stride, rows, heads, head_dim, dtype, cos, sin, 1);
 }
 
 /* One row of silu_and_mul: `width` gates at `gate`, as many ups at `up`. */
@@ -221,23 +238,35 @@ static inline void avx2_silu_and_mul_row(const float *gate, const float *up, flo
 }
 #endif
 
-/* silu_and_mul's rows, shared among the threads of the region it is called in. */
-static void silu_and_mul_rows(const void *gate_up, void *out, int64_t rows, int width, int dtype)
+/* silu_and_mul's rows: shared among the threads of the region it is called in (`shared`), or all
+ * on the calling thread (not `shared`). */
+void silu_and_mul_rows(const void *gate_up, void *out, int64_t rows, int width, int dtype, int shared)
 {
     const size_t item = dtype_size(dtype);
-#pragma omp for
-    for (int64_t r = 0; r < rows; r++) {
-        const char *gate = (const char *)gate_up + r * 2 * width * item;
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+#define AVX2_ROW                                                                                                     \
+    if (dtype == DTYPE_FLOAT32)                                                                                      \
+        avx2_silu_and_mul_row((const float *)gate, (const float *)gate + width, (float *)out + r * width, width);   \
+    else
+#else
+#define AVX2_ROW
+#endif
 #define SILU_AND_MUL_ROW(DTYPE)                                                                                      \
     silu_and_mul_row(gate, gate + width * item, (char *)out + r * width * item, width, DTYPE)
-#if defined(VECTORS_ARE_AVX2_PAIRS)
-        if (dtype == DTYPE_FLOAT32)
-            avx2_silu_and_mul_row((const float *)gate, (const float *)gate + width, (float *)out + r * width, width);
-        else
-#endif
-            FOR_DTYPE(dtype, SILU_AND_MUL_ROW);
-#undef SILU_AND_MUL_ROW
+    if (shared) {
+#pragma omp for
+        for (int64_t r = 0; r < rows; r++) {
+            const char *gate = (const char *)gate_up + r * 2 * width * item;
+            AVX2_ROW FOR_DTYPE(dtype, SILU_AND_MUL_ROW);
+        }
+    } else {
+        for (int64_t r = 0; r < rows; r++) {
+            const char *gate = (const char *)gate_up + r * 2 * width * item;
+            AVX2_ROW FOR_DTYPE(dtype, SILU_AND_MUL_ROW);
+        }
     }
+#undef SILU_AND_MUL_ROW
+#undef AVX2_ROW
 }
 
 /* out[r] = silu(gate) * up for each row r of gate_up = [gate (width) | up (width)]; silu(g) is
@@ -245,11 +274,11 @@ static void silu_and_mul_rows(const void *gate_up, void *out, int64_t rows, int 
 void silu_and_mul(const void *gate_up, void *out, int64_t rows, int width, int dtype, int num_threads)
 {
     if (rows * width < PARALLEL_MIN_ELEMENTS) {
-        silu_and_mul_rows(gate_up, out, rows, width, dtype);
+        silu_and_mul_rows(gate_up, out, rows, width, dtype, 0);
         return;
     }
 #pragma omp parallel num_threads(num_threads)
-    silu_and_mul_rows(gate_up, out, rows, width, dtype);
+    silu_and_mul_rows(gate_up, out, rows, width, dtype, 1);
 }
 
 /* A conversion streams memory once; below this many elements one thread keeps up with it and

@@ -866,6 +866,100 @@ int paged_attention_supports(int num_heads, int num_kv_heads, int head_dim, int 
            && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= MAX_GROUP;
 }
 
+/* A paged_attention call's batch and work, listed before its threads run it. */
+struct AttentionWork {
+    Batch batch;
+    struct WorkList work;
+    float *partials;
+    int head_dim;
+};
+
+/* The work of paged_attention's call with these arguments (see paged_attention), for
+ * attention_in_region; NULL where the shapes are outside what this kernel handles or memory runs
+ * out. Free it with attention_work_free. */
+struct AttentionWork *attention_work(
+    const void *query, int64_t query_token_stride, int64_t query_head_stride, int query_dtype,
+    const void *kv_cache, int cache_dtype, int64_t num_blocks, int block_size, int num_kv_heads, int head_dim,
+    const int32_t *block_tables, int64_t block_table_stride, const int32_t *query_start_loc,
+    const int32_t *seq_lens, int num_seqs, int num_heads, int sliding_window, int long_chunk_tokens, float scale,
+    void *out, int num_threads)
+{
+    if (!paged_attention_supports(num_heads, num_kv_heads, head_dim, block_size)) return NULL;
+    struct AttentionWork *w = calloc(1, sizeof *w);
+    if (!w) return NULL;
+    const size_t cache_bytes = (size_t)num_blocks * block_size * num_kv_heads * head_dim * dtype_size(cache_dtype);
+    w->batch = (Batch){
+        .query = query, .query_token_stride = query_token_stride, .query_head_stride = query_head_stride,
+        .query_dtype = query_dtype, .keys = kv_cache, .values = (const char *)kv_cache + cache_bytes,
+        .cache_dtype = cache_dtype, .block_size = block_size, .num_heads = num_heads,
+        .num_kv_heads = num_kv_heads, .block_tables = block_tables, .block_table_stride = block_table_stride,
+        .query_start_loc = query_start_loc, .seq_lens = seq_lens, .sliding_window = sliding_window,
+        .scale = scale, .out = out,
+#if defined(AMX_TILES)
+        .amx = cache_dtype == DTYPE_BFLOAT16 && query_dtype == DTYPE_BFLOAT16 && head_dim % AMX_DIMS == 0
+               && amx_permitted(),
+#endif
+    };
+    w->head_dim = head_dim;
+    int decode_rows = 0;
+    for (int s = 0; s < num_seqs; s++) decode_rows += query_start_loc[s + 1] - query_start_loc[s] == 1;
+    const int whole_rows = decode_rows >= ROWS_PER_THREAD * num_threads;
+    list_work(&w->batch, num_seqs, long_chunk_tokens, whole_rows, num_threads, &w->work);
+    w->work.items = malloc(sizeof *w->work.items * (w->work.num_items + 1));
+    w->work.split_rows = malloc(sizeof *w->work.split_rows * (w->work.num_split_rows + 1));
+    w->partials = malloc(sizeof *w->partials * (w->work.num_partials * partial_floats(num_heads, head_dim) + 1));
+    if (!w->work.items || !w->work.split_rows || !w->partials) {
+        attention_work_free(w);
+        return NULL;
+    }
+    list_work(&w->batch, num_seqs, long_chunk_tokens, whole_rows, num_threads, &w->work);
+    return w;
+}
+
+void attention_work_free(struct AttentionWork *w)
+{
+    if (!w) return;
+    free(w->work.items);
+    free(w->work.split_rows);
+    free(w->partials);
+    free(w);
+}
+
+/* The work's items shared among the threads of the region it is called in, then its split rows
+ * joined; returns after its barrier. */
+void attention_in_region(const struct AttentionWork *w)
+{
+    const Batch *batch = &w->batch;
+    const int head_dim = w->head_dim, num_heads = batch->num_heads;
+#if defined(AMX_TILES)
+    if (batch->amx) configure_tiles();
+#endif
+#pragma omp for schedule(dynamic)
+    for (int64_t i = 0; i < w->work.num_items; i++) {
+        const struct Item item = w->work.items[i];
+        if (item.kv_head >= 0) {
+            const int rest = batch->query_start_loc[item.seq + 1] - (int)item.row;
+            attend_item(batch, item.seq, item.row, rest < QUERY_TILE ? rest : QUERY_TILE, item.kv_head, head_dim);
+            continue;
+        }
+        float *partial = item.partial < 0 ? NULL : w->partials + item.partial * partial_floats(num_heads, head_dim);
+        attend_decode_item(batch, item.seq, item.row, item.from, item.to, partial, head_dim);
+    }
+    /* The for's barrier: every partial is written before any row joins its own. Without split
+     * rows there is nothing to join, and no second barrier to wait at. */
+    if (w->work.num_split_rows) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < w->work.num_split_rows; r++) {
+            const struct SplitRow split = w->work.split_rows[r];
+            join_partials(batch, split.row, w->partials + split.first_partial * partial_floats(num_heads, head_dim),
+                          split.segments, head_dim);
+        }
+    }
+#if defined(AMX_TILES)
+    if (batch->amx) _tile_release();
+#endif
+}
+
 /* Attention of the new tokens of every one of the batch's `num_seqs` sequences into `out`, each
  * over its last `sliding_window` positions (0: all of them), except the sequences with at least
  * `long_chunk_tokens` new tokens (0: none), whose rows of `out` are left to the caller: on a long
@@ -879,64 +973,13 @@ int paged_attention(
     const int32_t *seq_lens, int num_seqs, int num_heads, int sliding_window, int long_chunk_tokens, float scale,
     void *out, int num_threads)
 {
-    if (!paged_attention_supports(num_heads, num_kv_heads, head_dim, block_size)) return -1;
-    const size_t cache_bytes = (size_t)num_blocks * block_size * num_kv_heads * head_dim * dtype_size(cache_dtype);
-    const Batch batch = {
-        .query = query, .query_token_stride = query_token_stride, .query_head_stride = query_head_stride,
-        .query_dtype = query_dtype, .keys = kv_cache, .values = (const char *)kv_cache + cache_bytes,
-        .cache_dtype = cache_dtype, .block_size = block_size, .num_heads = num_heads,
-        .num_kv_heads = num_kv_heads, .block_tables = block_tables, .block_table_stride = block_table_stride,
-        .query_start_loc = query_start_loc, .seq_lens = seq_lens, .sliding_window = sliding_window,
-        .scale = scale, .out = out,
-#if defined(AMX_TILES)
-        .amx = cache_dtype == DTYPE_BFLOAT16 && query_dtype == DTYPE_BFLOAT16 && head_dim % AMX_DIMS == 0
-               && amx_permitted(),
-#endif
-    };
-    int decode_rows = 0;
-    for (int s = 0; s < num_seqs; s++) decode_rows += query_start_loc[s + 1] - query_start_loc[s] == 1;
-    const int whole_rows = decode_rows >= ROWS_PER_THREAD * num_threads;
-    struct WorkList work = {0};
-    list_work(&batch, num_seqs, long_chunk_tokens, whole_rows, num_threads, &work);
-    work.items = malloc(sizeof *work.items * (work.num_items + 1));
-    work.split_rows = malloc(sizeof *work.split_rows * (work.num_split_rows + 1));
-    float *partials = malloc(sizeof *partials * (work.num_partials * partial_floats(num_heads, head_dim) + 1));
-    if (!work.items || !work.split_rows || !partials) {
-        free(work.items);
-        free(work.split_rows);
-        free(partials);
-        return -1;
-    }
-    list_work(&batch, num_seqs, long_chunk_tokens, whole_rows, num_threads, &work);
+    struct AttentionWork *w = attention_work(
+        query, query_token_stride, query_head_stride, query_dtype, kv_cache, cache_dtype, num_blocks, block_size,
+        num_kv_heads, head_dim, block_tables, block_table_stride, query_start_loc, seq_lens, num_seqs, num_heads,
+        sliding_window, long_chunk_tokens, scale, out, num_threads);
+    if (!w) return -1;
 #pragma omp parallel num_threads(num_threads)
-    {
-#if defined(AMX_TILES)
-        if (batch.amx) configure_tiles();
-#endif
-#pragma omp for schedule(dynamic)
-        for (int64_t i = 0; i < work.num_items; i++) {
-            const struct Item item = work.items[i];
-            if (item.kv_head >= 0) {
-                const int rest = query_start_loc[item.seq + 1] - (int)item.row;
-                attend_item(&batch, item.seq, item.row, rest < QUERY_TILE ? rest : QUERY_TILE, item.kv_head, head_dim);
-                continue;
-            }
-            float *partial = item.partial < 0 ? NULL : partials + item.partial * partial_floats(num_heads, head_dim);
-            attend_decode_item(&batch, item.seq, item.row, item.from, item.to, partial, head_dim);
-        }
-        /* The for's barrier: every partial is written before any row joins its own. */
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < work.num_split_rows; r++) {
-            const struct SplitRow split = work.split_rows[r];
-            join_partials(&batch, split.row, partials + split.first_partial * partial_floats(num_heads, head_dim),
-                          split.segments, head_dim);
-        }
-#if defined(AMX_TILES)
-        if (batch.amx) _tile_release();
-#endif
-    }
-    free(work.items);
-    free(work.split_rows);
-    free(partials);
+    attention_in_region(w);
+    attention_work_free(w);
     return 0;
 }

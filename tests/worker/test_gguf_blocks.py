@@ -11,10 +11,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from strata.kernels import cpu_attention, cpu_linear, gguf_linear, native
+from strata.kernels import cpu_attention, cpu_decoder_layer, cpu_linear, gguf_linear, native
 from strata.worker import cpu_linear_plan
 from strata.worker.attention import CpuAttentionBackend
 from strata.worker.cpu_linear_plan import plan_quantized_linears
+from strata.worker.fused_decode_layers import FusedDecoderStack
 from strata.worker.gguf_weights import GgufTensor
 from strata.worker.llama import LlamaForCausalLM
 from strata.worker.model_loader import quantized_weights_file, resolve_model_path
@@ -209,6 +210,35 @@ def test_fused_halves_on_blocks_give_exactly_the_module_logits(
             layer.fused = halves
     assert fused_tokens == tokens
     assert torch.equal(fused_logits, logits)
+
+
+def test_a_stack_split_in_two_carrying_its_residual_gives_the_bits_of_a_call_per_half(
+    default_model: LlamaForCausalLM,
+) -> None:
+    # Decode steps of few rows run a stack on blocks in one parallel region (csrc/decoder_layer.c);
+    # a later pipeline stage's stack starts from the residual an earlier one carried.
+    decoder = default_model.model
+    layers = [layer.fused for layer in decoder.layers]
+    generator = torch.Generator().manual_seed(0)
+    caches = [torch.randn(2, 4, 16, 3, 64, generator=generator).bfloat16() for _ in layers]
+    block_tables = torch.tensor([[0, 1], [3, 2]], dtype=torch.int32)
+    positions = torch.tensor([20, 5])
+    slot_mapping = (block_tables[torch.arange(2), positions // 16] * 16 + positions % 16).long()
+    seq_lens, query_start_loc = (positions + 1).int(), torch.tensor([0, 1, 2], dtype=torch.int32)
+    cos, sin = decoder.rotary_emb(positions)
+    hidden = torch.randn(2, decoder.norm.weight.numel(), generator=generator).bfloat16()
+    step = cpu_decoder_layer.decode_step(hidden, cos, sin, slot_mapping, block_tables, query_start_loc, seq_lens)
+    assert step is not None
+    halves_caches = [cache.clone() for cache in caches]
+    expected, expected_residual = hidden.clone(), None
+    for layer, cache in zip(layers, halves_caches):
+        expected, expected_residual = layer.forward(step, cache, expected, expected_residual)
+    split = len(layers) // 3
+    out, residual = FusedDecoderStack.of(layers[:split]).forward(step, caches[:split], hidden.clone(), None)
+    out, residual = FusedDecoderStack.of(layers[split:]).forward(step, caches[split:], out, residual)
+    assert torch.equal(out, expected)
+    assert torch.equal(residual, expected_residual)
+    assert all(torch.equal(cache, halves_cache) for cache, halves_cache in zip(caches, halves_caches))
 
 
 def test_a_prefill_chunk_long_enough_for_the_chunk_attention_leaves_the_fused_halves(
