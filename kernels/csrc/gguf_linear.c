@@ -1138,12 +1138,6 @@ static void dot_group_rows(uint16_t *const weights[2], int pair, int64_t runs, c
     }
 }
 
-/* interleaved_matrix for bfloat16 activations `x` on AMX tiles where Linux grants them, else by
- * vdpbf16ps; or 0 where the step is too small or the kernel lacks memory (the caller then
- * computes every output with the int16 kernel). Activation rows go BF16_PANEL_BYTES at a time
- * (a panel stays in L2), each thread dequantizing its pairs of groups once per panel. With
- * `swiglu` (quantized_swiglu's), out holds silu(gate) * up, out_features / 2 a row, and group g
- * of the gates pairs with group g of the ups; otherwise groups 2p and 2p + 1. */
 /* Whether `rows` bfloat16 rows multiply the interleaved `matrix` by bfloat16 products: on AMX
  * tiles from AMX_MIN_ROWS rows where they are granted, else by vdpbf16ps from its measured
  * bfloat16_dot_rows. */
@@ -1157,6 +1151,12 @@ static int takes_bfloat16_products(const struct QuantizedMatrix *matrix, int64_t
     return min_rows && rows >= min_rows;
 }
 
+/* interleaved_matrix for bfloat16 activations `x` on AMX tiles where Linux grants them, else by
+ * vdpbf16ps; or 0 where the step is too small or the kernel lacks memory (the caller then
+ * computes every output with the int16 kernel). Activation rows go BF16_PANEL_BYTES at a time
+ * (a panel stays in L2), each thread dequantizing its pairs of groups once per panel. With
+ * `swiglu` (quantized_swiglu's), out holds silu(gate) * up, out_features / 2 a row, and group g
+ * of the gates pairs with group g of the ups; otherwise groups 2p and 2p + 1. */
 static int bfloat16_interleaved_matrix(const struct QuantizedMatrix *matrix, int64_t in_features, const uint16_t *x,
                                        int64_t rows, const float *bias, char *out, int64_t out_features,
                                        int out_dtype, int num_threads, int swiglu)

@@ -65,9 +65,7 @@ int gguf_linear_body(void);
 int gguf_interleave(const uint8_t *data, int type, int64_t rows, int64_t cols, uint8_t *out);
 int gguf_dequantize(const uint8_t *data, int type, int64_t rows, int64_t cols, const int64_t *ids,
                     int64_t stored_rows, void *out, int out_dtype, int num_threads);
-/* One linear's LoRA slots in kernels/lora.py's layout: a [in_features][parts][slots][max_rank],
- * b [slots][max_rank][sum of rows] (each part's B in its own columns, the scale folded in), both
- * in `dtype`; rows[p] is part p's output columns. */
+
 /* The pieces decoder_layer.c runs a decode step's stack of layers with in one parallel region.
  * Those with a `shared` flag share their rows among the region's threads (returning after their
  * barrier) or, without it, do them all on the calling thread; quantize_activations always does;
@@ -96,6 +94,9 @@ void quantize_activations(const void *x, int x_dtype, int64_t rows, int64_t in_f
 void quantized_linear_in_region(const struct QuantizedMatrix *matrix, const void *quantized, int64_t rows,
                                 int64_t in_features, const float *bias, void *out, int out_dtype);
 
+/* One linear's LoRA slots in kernels/lora.py's layout: a [in_features][parts][slots][max_rank],
+ * b [slots][max_rank][sum of rows] (each part's B in its own columns, the scale folded in), both
+ * in `dtype`; rows[p] is part p's output columns. */
 struct LoraPool {
     int32_t parts, slots, max_rank, dtype;
     int64_t in_features;

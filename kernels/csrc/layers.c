@@ -9,8 +9,8 @@
 #include "vector_math.h"
 
 /* Below this many elements a call runs on the calling thread alone: waking the others costs
- * more. Each kernel's loop over rows is then called outside any parallel region (its `omp for`
- * orphaned), not in a region whose `if` clause is false: such a serialized region still sets up a
+ * more. Each kernel's loop over rows then runs on the calling thread outside any parallel region,
+ * not in a region whose `if` clause is false: such a serialized region still sets up a
  * team, 0.7-1.0 us more than the bare loop once a decoder layer's weights have passed through the
  * caches (a one-row norm 1.3 against 0.3 us, EPYC-Zen4), and a one-row decode step of the
  * default model made about 270 such calls (norms, rotary, SwiGLU, KV writes, activations
