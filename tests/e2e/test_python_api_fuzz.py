@@ -53,7 +53,7 @@ BAD_VALUES = {
     "top_k": not_an_int | st.just(0) | st.integers(max_value=-2),
     "min_p": not_a_number | st.floats(max_value=-1e-9, allow_infinity=False) | st.floats(min_value=1.0000001, allow_infinity=False),
     "seed": not_an_int.filter(lambda v: v is not None) | st.integers(min_value=2**63) | st.integers(max_value=-(2**63) - 1),
-    "max_tokens": not_an_int | st.integers(max_value=0),
+    "max_tokens": not_an_int | st.integers(max_value=-1),  # 0 is valid: prompt logprobs without generating
     "min_tokens": not_an_int | st.integers(max_value=-1) | st.integers(min_value=17),  # above max_tokens (16)
     "stop": anything.filter(lambda v: v is not None and not isinstance(v, str | list))
     | st.lists(anything.filter(lambda v: not isinstance(v, str)), min_size=1, max_size=3) | st.just("") | st.just(["a", ""]),
