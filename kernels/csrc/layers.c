@@ -238,35 +238,33 @@ static inline void avx2_silu_and_mul_row(const float *gate, const float *up, flo
 }
 #endif
 
+/* Row r of silu_and_mul, in its dtype's own loop. */
+static inline void silu_and_mul_at(const void *gate_up, void *out, int64_t r, int width, int dtype)
+{
+    const size_t item = dtype_size(dtype);
+    const char *gate = (const char *)gate_up + r * 2 * width * item;
+#if defined(VECTORS_ARE_AVX2_PAIRS)
+    if (dtype == DTYPE_FLOAT32) {
+        avx2_silu_and_mul_row((const float *)gate, (const float *)gate + width, (float *)out + r * width, width);
+        return;
+    }
+#endif
+#define SILU_AND_MUL_ROW(DTYPE)                                                                                      \
+    silu_and_mul_row(gate, gate + width * item, (char *)out + r * width * item, width, DTYPE)
+    FOR_DTYPE(dtype, SILU_AND_MUL_ROW);
+#undef SILU_AND_MUL_ROW
+}
+
 /* silu_and_mul's rows: shared among the threads of the region it is called in (`shared`), or all
  * on the calling thread (not `shared`). */
 void silu_and_mul_rows(const void *gate_up, void *out, int64_t rows, int width, int dtype, int shared)
 {
-    const size_t item = dtype_size(dtype);
-#if defined(VECTORS_ARE_AVX2_PAIRS)
-#define AVX2_ROW                                                                                                     \
-    if (dtype == DTYPE_FLOAT32)                                                                                      \
-        avx2_silu_and_mul_row((const float *)gate, (const float *)gate + width, (float *)out + r * width, width);   \
-    else
-#else
-#define AVX2_ROW
-#endif
-#define SILU_AND_MUL_ROW(DTYPE)                                                                                      \
-    silu_and_mul_row(gate, gate + width * item, (char *)out + r * width * item, width, DTYPE)
     if (shared) {
 #pragma omp for
-        for (int64_t r = 0; r < rows; r++) {
-            const char *gate = (const char *)gate_up + r * 2 * width * item;
-            AVX2_ROW FOR_DTYPE(dtype, SILU_AND_MUL_ROW);
-        }
+        for (int64_t r = 0; r < rows; r++) silu_and_mul_at(gate_up, out, r, width, dtype);
     } else {
-        for (int64_t r = 0; r < rows; r++) {
-            const char *gate = (const char *)gate_up + r * 2 * width * item;
-            AVX2_ROW FOR_DTYPE(dtype, SILU_AND_MUL_ROW);
-        }
+        for (int64_t r = 0; r < rows; r++) silu_and_mul_at(gate_up, out, r, width, dtype);
     }
-#undef SILU_AND_MUL_ROW
-#undef AVX2_ROW
 }
 
 /* out[r] = silu(gate) * up for each row r of gate_up = [gate (width) | up (width)]; silu(g) is
