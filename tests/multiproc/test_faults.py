@@ -17,7 +17,9 @@ from strata.runtime import core_client
 from strata.runtime.core_client import EngineCoreProcess, EngineDeadError, SyncCoreClient
 from strata.runtime.engine_args import EngineArgs, resolve
 
-LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+# Long enough that no host finishes it before the faults below strike, 2-3 s in: 400 tokens once
+# finished in under 2 s on a fast host, before the worker was suspended.
+LONG = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
 
 
 def worker_pids(llm: LLM) -> list[int]:

@@ -16,7 +16,9 @@ from conftest import descendants, live, rank_workers, wait_until_none_left
 from prefix_cache_checks import check_reset_prefix_cache_forgets_seen_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+# Long enough that no host finishes it before the rank is killed 3 s in (400 tokens took about 2 s
+# on a fast host in the multiprocess executor's fault tests).
+LONG = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def quicksort(items):", "Once upon a time, in a small village,"]
 
 
